@@ -1,0 +1,1 @@
+"""Typed deployment specs, spec files, work-pool templates and the `tessera` CLI."""

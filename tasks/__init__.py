@@ -1,0 +1,1 @@
+"""Prefect tasks: retries, caching, artifacts and logging around one library call each."""

@@ -1,0 +1,67 @@
+"""Spec validation: every preset parses, and every bad spec names the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployments.spec import SPEC_DIR, SpecError, TrainingSpec, load_spec, parse_spec
+
+SPECS = sorted(SPEC_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_shipped_specs_validate(path: Path) -> None:
+    spec = load_spec(path)
+    assert spec.parallel.world_size == spec.cluster.nodes * spec.cluster.chips_per_node
+
+
+def test_preset_fills_dimensions_and_override_wins() -> None:
+    spec = parse_spec({"model": {"preset": "llama3-8b", "n_layers": 4}})
+    assert (spec.model.dim, spec.model.n_kv_heads, spec.model.vocab_size) == (4096, 8, 128256)
+    assert spec.model.n_layers == 4
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ({"parallel": {"dp_shard": 3}}, "make the degrees multiply"),
+        ({"parallel": {"tp": 3}, "cluster": {"chips_per_node": 3}}, "parallel.tp=3 must divide model.n_heads"),
+        ({"parallel": {"pp": 3}, "cluster": {"chips_per_node": 3}}, "must divide model.n_layers"),
+        ({"train": {"global_batch_size": 6, "micro_batch_size": 4}}, "train.global_batch_size=6"),
+        ({"cluster": {"accelerator": "gpu", "chip": "tpu-v5p"}}, "cluster.chip='tpu-v5p' is not a gpu chip"),
+        ({"modle": {}}, "modle: unknown field"),
+        ({"train": {"steps": -1}}, "train.steps: Input should be greater than or equal to 1"),
+        ({"model": {"preset": "custom", "dim": 64}}, "model.preset=custom needs model.n_layers"),
+        ({"name": "Bad Name!"}, "name: String should match pattern"),
+    ],
+)
+def test_bad_specs_name_the_field(patch: dict, needle: str) -> None:
+    with pytest.raises(SpecError, match=None) as info:
+        parse_spec(patch)
+    assert needle in str(info.value)
+
+
+def test_malformed_yaml_is_one_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(SpecError, match="expected a mapping"):
+        load_spec(bad)
+
+
+def test_schema_documents_every_field() -> None:
+    schema = TrainingSpec.model_json_schema()
+
+    def walk(node: dict, where: str) -> None:
+        for name, prop in node.get("properties", {}).items():
+            assert prop.get("description"), f"{where}.{name} has no description"
+
+    walk(schema, "spec")
+    for name, definition in schema["$defs"].items():
+        walk(definition, name)
+    accel = schema["$defs"]["ClusterSpec"]["properties"]["accelerator"]
+    assert accel["enum"] == ["cpu", "gpu", "tpu", "trainium"]

@@ -1,0 +1,61 @@
+"""The one interface behind which accelerator differences live.
+
+The training loop asks its backend for a device, a process group and launch environment; it never
+branches on the accelerator itself. Accelerator libraries are imported inside methods, so importing
+this package needs nothing beyond torch.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.backends.chips import Chip, get_chip
+
+
+class BackendUnavailable(RuntimeError):
+    """The accelerator's runtime is not installed or sees no device; the message says how to fix it."""
+
+
+class Backend(ABC):
+    name: str
+    device_type: str
+    dist_backend: str
+    install_hint: str = ""
+
+    @abstractmethod
+    def is_available(self) -> bool:
+        """Whether the runtime imports and sees at least one device."""
+
+    def require(self) -> None:
+        if not self.is_available():
+            raise BackendUnavailable(f"backend {self.name!r} is not available here: {self.install_hint}")
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device(self.device_type, local_rank)
+
+    def init_process_group(self, timeout_s: float) -> None:
+        """Join the torchrun rendezvous; ``timeout_s`` bounds every collective so a lost peer fails fast."""
+        if not dist.is_initialized():
+            dist.init_process_group(backend=self.dist_backend, timeout=timedelta(seconds=timeout_s))
+
+    def launch_env(self, chips_per_node: int) -> dict[str, str]:
+        """Environment variables the launcher sets on every worker of this backend."""
+        return {}
+
+    def supports_bf16(self) -> bool:
+        return True
+
+    def chip(self, name: str) -> Chip:
+        chip = get_chip(name)
+        if chip.accelerator != self.name:
+            raise ValueError(f"chip {name!r} is a {chip.accelerator} chip, not {self.name}")
+        return chip
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))

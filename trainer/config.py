@@ -1,0 +1,267 @@
+"""Typed configuration the training process needs.
+
+These models are the contract between the orchestrator and ``python -m trainer.train``: the
+deployment spec (``deployments/spec.py``) composes them with cluster, data-prep and eval settings,
+and hands the trainer a :class:`JobConfig` as JSON. Every field carries a description because the
+same schema renders as the Prefect UI run form.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ModelPreset = Literal["tiny", "small", "llama3-8b", "llama3-70b", "llama3-405b", "custom"]
+Accelerator = Literal["cpu", "gpu", "tpu", "trainium"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+ActivationCheckpointing = Literal["none", "selective", "full"]
+Precision = Literal["fp32", "bf16"]
+AsyncMode = Literal["sync", "async", "async_process"]
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class Strict(BaseModel):
+    """Base for every config section: unknown keys are errors, not silently ignored typos."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# Model shapes. The llama3 rows are the published Llama 3 / 3.1 architectures (Dubey et al. 2024,
+# Table 3, and the released params.json files); tiny/small are ours, sized to train on a laptop CPU.
+MODEL_PRESETS: dict[str, dict[str, float]] = {
+    "tiny": dict(n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=2048,
+                 rope_theta=10000.0),
+    "small": dict(n_layers=8, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192,
+                  rope_theta=10000.0),
+    "llama3-8b": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                      vocab_size=128256, rope_theta=500000.0),
+    "llama3-70b": dict(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                       vocab_size=128256, rope_theta=500000.0),
+    "llama3-405b": dict(n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+                        vocab_size=128256, rope_theta=500000.0),
+}
+
+
+class ModelConfig(Strict):
+    """A Llama-style decoder: a preset, optionally with any dimension overridden."""
+
+    preset: ModelPreset = Field("tiny", description="Architecture preset; 'custom' requires every dimension.")
+    n_layers: PositiveInt | None = Field(None, description="Transformer blocks (default: from preset).")
+    dim: PositiveInt | None = Field(None, description="Hidden size (default: from preset).")
+    n_heads: PositiveInt | None = Field(None, description="Query heads (default: from preset).")
+    n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads for grouped-query attention.")
+    ffn_dim: PositiveInt | None = Field(None, description="SwiGLU hidden size (default: from preset).")
+    vocab_size: PositiveInt | None = Field(None, description="Vocabulary size; the tokenizer is trained to it.")
+    rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency (default: from preset).")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(False, description="Share input embedding and output projection weights.")
+
+    @model_validator(mode="after")
+    def _fill_from_preset(self) -> ModelConfig:
+        base = MODEL_PRESETS.get(self.preset, {})
+        missing = []
+        for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta"):
+            if getattr(self, key) is None:
+                if key not in base:
+                    missing.append(key)
+                    continue
+                # object.__setattr__ skips re-validation recursion from validate_assignment.
+                object.__setattr__(self, key, type(base[key])(base[key]))
+        if missing:
+            raise ValueError(f"model.preset=custom needs model.{', model.'.join(missing)}; set them or pick a preset")
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head dim model.dim/model.n_heads={self.head_dim} must be even for RoPE")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class ParallelConfig(Strict):
+    """How the model is cut across chips. Degrees multiply to the world size."""
+
+    dp_replicate: PositiveInt = Field(1, description="Data-parallel replicas (HSDP outer dim; DDP-like).")
+    dp_shard: PositiveInt = Field(1, description="FSDP2 sharding degree (ZeRO-3 style) within a replica.")
+    tp: PositiveInt = Field(1, description="Tensor-parallel degree (with sequence parallel); keep within a node.")
+    pp: PositiveInt = Field(1, description="Pipeline-parallel stages.")
+    pp_schedule: PipelineSchedule = Field("1f1b", description="Pipeline schedule when pp > 1.")
+    pp_virtual_stages: PositiveInt = Field(
+        1, description="Model chunks per pipeline rank; >1 requires pp_schedule=interleaved_1f1b."
+    )
+    activation_checkpointing: ActivationCheckpointing = Field(
+        "none", description="Recompute activations in backward: none, selective (attention), or full."
+    )
+    mixed_precision: Precision = Field(
+        "fp32", description="Parameter/compute dtype for FSDP; gradients are always reduced in fp32."
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class TrainConfig(Strict):
+    """Batch geometry and run length."""
+
+    steps: PositiveInt = Field(100, description="Optimizer steps to train for.")
+    seq_len: PositiveInt = Field(128, description="Tokens per sample.")
+    global_batch_size: PositiveInt = Field(8, description="Sequences per optimizer step, across all replicas.")
+    micro_batch_size: PositiveInt = Field(
+        4,
+        description="Sequences per forward pass on one data-parallel rank. global / (dp × micro) "
+        "micro-batches are accumulated per step (the pipeline's micro-batches when pp > 1).",
+    )
+    log_every: PositiveInt = Field(1, description="Write a metrics line every N steps.")
+
+
+class OptimizerConfig(Strict):
+    """AdamW with linear warmup then cosine decay to min_lr_ratio × lr."""
+
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
+
+
+class CheckpointConfig(Strict):
+    """Sharded DCP checkpoints through fsspec."""
+
+    url: str | None = Field(
+        None, description="Where checkpoints go: a local path, gs://bucket/path or s3://bucket/path. "
+        "Default: <run dir>/checkpoints."
+    )
+    interval: PositiveInt | Literal["auto"] = Field(
+        "auto", description="Steps between checkpoints, or 'auto' for the Young/Daly optimum from the planner."
+    )
+    keep_last: PositiveInt = Field(3, description="Keep the newest N checkpoints.")
+    keep_every: PositiveInt | None = Field(None, description="Also keep every checkpoint whose step is a multiple of K.")
+    mode: AsyncMode = Field(
+        "async", description="sync blocks training for the whole write; async stages to host memory and "
+        "writes in a thread; async_process writes in a separate process."
+    )
+    write_bandwidth_gbps: float = Field(
+        2.0, gt=0, description="Assumed storage write bandwidth per node in GB/s (planner input)."
+    )
+
+
+class FaultsConfig(Strict):
+    """Failure handling: in-job restarts, then task-level retries on node failure only."""
+
+    node_failure_retries: int = Field(3, ge=0, description="Prefect task retries after a node failure.")
+    retry_delay_s: float = Field(5.0, ge=0, description="Seconds between task retries.")
+    max_restarts: int = Field(2, ge=0, description="torchrun --max-restarts: in-job restarts of all workers.")
+    step_timeout_s: float = Field(
+        300.0, gt=0, description="Watchdog: a step slower than this is a hang (treated as a node failure)."
+    )
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="Process-group timeout, so a lost peer fails fast instead of after 30 min."
+    )
+
+
+class HardwareConfig(Strict):
+    """What the job runs on; the chip must belong to the accelerator (see trainer.backends.chips)."""
+
+    accelerator: Accelerator = Field("cpu", description="Accelerator family; selects the backend and work pool.")
+    chip: str = Field("cpu", description="Chip type from the catalog, e.g. h100-sxm, tpu-v5p, trainium2.")
+    nodes: PositiveInt = Field(1, description="Hosts in the job.")
+    chips_per_node: PositiveInt = Field(1, description="Accelerator chips (or CPU processes) per host.")
+    mtbf_hours: float | None = Field(
+        None, gt=0, description="Job mean time between failures; default from the chip's per-chip failure rate."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.chips_per_node
+
+
+def layout_errors(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: HardwareConfig) -> list[str]:
+    """Cross-field checks shared by the job config and the deployment spec; each names field and fix."""
+    errors: list[str] = []
+    if parallel.world_size != hw.world_size:
+        errors.append(
+            f"parallel: dp_replicate×dp_shard×tp×pp = {parallel.dp_replicate}×{parallel.dp_shard}×{parallel.tp}"
+            f"×{parallel.pp} = {parallel.world_size}, but cluster nodes×chips_per_node = {hw.nodes}×"
+            f"{hw.chips_per_node} = {hw.world_size}; make the degrees multiply to the chip count"
+        )
+    for name in ("n_heads", "n_kv_heads"):
+        value = getattr(model, name)
+        if value % parallel.tp:
+            errors.append(f"parallel.tp={parallel.tp} must divide model.{name}={value}; use a tp from {_divisors(value)}")
+    if model.n_layers % (parallel.pp * parallel.pp_virtual_stages):
+        errors.append(
+            f"parallel.pp×pp_virtual_stages={parallel.pp * parallel.pp_virtual_stages} must divide "
+            f"model.n_layers={model.n_layers}; use pp from {_divisors(model.n_layers)}"
+        )
+    if parallel.pp_virtual_stages > 1 and parallel.pp_schedule != "interleaved_1f1b":
+        errors.append("parallel.pp_virtual_stages > 1 needs parallel.pp_schedule=interleaved_1f1b")
+    per_step = parallel.dp * train.micro_batch_size
+    if train.global_batch_size % per_step:
+        errors.append(
+            f"train.global_batch_size={train.global_batch_size} must be divisible by dp×micro_batch_size="
+            f"{parallel.dp}×{train.micro_batch_size}={per_step}; e.g. global_batch_size="
+            f"{max(per_step, train.global_batch_size // per_step * per_step)}"
+        )
+    elif parallel.pp > 1:
+        microbatches = train.global_batch_size // per_step
+        if microbatches < parallel.pp or microbatches % parallel.pp:
+            errors.append(
+                f"pipeline micro-batches global/(dp×micro)={microbatches} must be a positive multiple of "
+                f"parallel.pp={parallel.pp}; raise train.global_batch_size or lower train.micro_batch_size"
+            )
+    return errors
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class JobConfig(Strict):
+    """Everything ``python -m trainer.train`` needs, and nothing it must not know (no Prefect, no k8s)."""
+
+    name: str = Field("tessera", description="Run name.")
+    seed: int = Field(0, description="Seed for init, data order and dropout-free determinism.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    hardware: HardwareConfig = Field(default_factory=HardwareConfig)
+    data_url: str | None = Field(
+        None, description="URL of a prepared dataset's manifest.json; None trains on deterministic synthetic tokens."
+    )
+    loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
+    checkpoint_interval_steps: PositiveInt | None = Field(
+        None, description="Resolved interval (the planner fills it when checkpoint.interval is 'auto')."
+    )
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> JobConfig:
+        errors = layout_errors(self.model, self.parallel, self.train, self.hardware)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+    def model_fingerprint(self) -> str:
+        """Hash of the model's shape: a checkpoint with another fingerprint cannot be resumed into this job."""
+        return hashlib.sha256(json.dumps(self.model.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
