@@ -8,7 +8,6 @@ the plan fits in HBM — so a bad spec fails with the field and the fix, never o
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -16,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 from trainer.backends.chips import CHIPS, chips_for
 from trainer.config import (
     CheckpointConfig,
+    DataConfig,
     FaultsConfig,
     HardwareConfig,
     JobConfig,
@@ -45,29 +45,6 @@ class ClusterSpec(HardwareConfig):
         return self.work_pool or f"tessera-{self.accelerator}"
 
 
-class DataSpec(Strict):
-    """The corpus, how it is tokenized and sharded, and how the trainer reads it."""
-
-    source: Literal["stdlib", "generated", "files"] = Field(
-        "stdlib", description="stdlib: the Python standard library's sources (real text, on every machine); "
-        "generated: a small synthetic corpus; files: the paths below."
-    )
-    paths: list[str] = Field(
-        default_factory=list, description="Files, globs or fsspec URLs (gs://, s3://) when source=files."
-    )
-    format: Literal["auto", "text", "jsonl", "parquet"] = Field("auto", description="Input file format.")
-    text_field: str = Field("text", description="Column holding the text (JSONL/Parquet).")
-    tokenizer: str | None = Field(
-        None, description="Existing tokenizer.json to use; default: train a byte-level BPE to model.vocab_size."
-    )
-    output_url: str = Field("data", description="Where shards + manifest go: local path, gs:// or s3://.")
-    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for eval, by seed.")
-    max_documents: int | None = Field(None, ge=1, description="Use at most N documents (quick runs).")
-    samples_per_shard: int = Field(1024, ge=1, description="Packed samples per webdataset tar shard.")
-    num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map num_proc).")
-    loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
-
-
 class EvalSpec(Strict):
     """Checkpoint validation and evaluation, run while training and on a schedule."""
 
@@ -84,7 +61,7 @@ class TrainingSpec(Strict):
     name: str = Field("tiny-local", pattern=NAME_PATTERN, description="Run name (lowercase, digits, '-').")
     seed: int = Field(0, ge=0, description="Seed for init and data order: same seed, same loss curve.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture.")
-    data: DataSpec = Field(default_factory=DataSpec, description="Corpus, tokenizer, shards.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer, shards.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Batch geometry and length.")
     parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel layout.")
     cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Hardware and work pool.")

@@ -194,6 +194,29 @@ class HardwareConfig(Strict):
         return self.nodes * self.chips_per_node
 
 
+class DataConfig(Strict):
+    """The corpus, how it is tokenized and sharded, and how the trainer reads it."""
+
+    source: Literal["stdlib", "generated", "files"] = Field(
+        "stdlib", description="stdlib: the Python standard library's sources (real text, on every machine); "
+        "generated: a small synthetic corpus; files: the paths below."
+    )
+    paths: list[str] = Field(
+        default_factory=list, description="Files, globs or fsspec URLs (gs://, s3://) when source=files."
+    )
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field("auto", description="Input file format.")
+    text_field: str = Field("text", description="Column holding the text (JSONL/Parquet).")
+    tokenizer: str | None = Field(
+        None, description="Existing tokenizer.json to use; default: train a byte-level BPE to model.vocab_size."
+    )
+    output_url: str = Field("data", description="Where shards + manifest go: local path, gs:// or s3://.")
+    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for eval, by seed.")
+    max_documents: int | None = Field(None, ge=1, description="Use at most N documents (quick runs).")
+    samples_per_shard: int = Field(1024, ge=1, description="Packed samples per webdataset tar shard.")
+    num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map num_proc).")
+    loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
+
+
 def layout_errors(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: HardwareConfig) -> list[str]:
     """Cross-field checks shared by the job config and the deployment spec; each names field and fix."""
     errors: list[str] = []
