@@ -40,5 +40,17 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
+# A local Prefect server with its UI on 127.0.0.1:4200, the work pools and every deployment of
+# prefect.yaml registered, and a worker for tessera-cpu in the foreground; Ctrl-C stops both.
+UI_API := http://127.0.0.1:4200/api
+ui: $(STAMP)
+	PREFECT_UI_ENABLED=true $(BIN)/prefect server start --host 127.0.0.1 --port 4200 & server=$$!; \
+	  trap 'kill $$server' EXIT INT TERM; \
+	  until $(BIN)/python -c "import urllib.request; urllib.request.urlopen('$(UI_API)/health')" 2>/dev/null; \
+	    do sleep 1; done; \
+	  export PREFECT_API_URL=$(UI_API); \
+	  $(BIN)/tessera deploy --no-write && echo "UI: http://127.0.0.1:4200" && \
+	  $(BIN)/prefect worker start --pool tessera-cpu --type process
+
 clean:
 	rm -rf runs data .pytest_cache

@@ -26,6 +26,7 @@ from trainer.config import (
     TrainConfig,
     layout_errors,
 )
+from trainer.plan import fit_error
 
 SPEC_DIR = Path(__file__).parent / "specs"
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"  # a valid Kubernetes name, so job names derive from it
@@ -86,6 +87,10 @@ class TrainingSpec(Strict):
             errors.append("data.source=files needs data.paths (files, globs or gs:// / s3:// URLs)")
         if errors:
             raise ValueError("; ".join(errors))
+        if not self.allow_oversubscribe:
+            misfit = fit_error(self.model, self.parallel, self.train, cluster, self.checkpoint)
+            if misfit:
+                raise ValueError(misfit)
         return self
 
     def job_config(self, data_url: str | None, checkpoint_interval_steps: int | None = None) -> JobConfig:
@@ -123,8 +128,12 @@ def parse_spec(data: object, source: str = "spec") -> TrainingSpec:
         raise SpecError(f"{source} is invalid:\n{format_validation_error(exc)}") from None
 
 
-def load_spec(path: str | Path) -> TrainingSpec:
-    """Read a YAML (or JSON, which is YAML) spec file, with user errors as :class:`SpecError`."""
+def load_spec(path: str | Path, overrides: dict[str, object] | None = None) -> TrainingSpec:
+    """Read a YAML (or JSON, which is YAML) spec file, with user errors as :class:`SpecError`.
+
+    ``overrides`` replace top-level fields before validation (``tessera plan`` plans a spec that does
+    not fit by overriding ``allow_oversubscribe``).
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -134,4 +143,6 @@ def load_spec(path: str | Path) -> TrainingSpec:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise SpecError(f"{path} is not valid YAML: {exc}") from None
+    if overrides and isinstance(data, dict):
+        data = {**data, **overrides}
     return parse_spec(data, str(path))

@@ -18,7 +18,7 @@ def test_shipped_specs_validate(path: Path) -> None:
 
 
 def test_preset_fills_dimensions_and_override_wins() -> None:
-    spec = parse_spec({"model": {"preset": "llama3-8b", "n_layers": 4}})
+    spec = parse_spec({"model": {"preset": "llama3-8b", "n_layers": 4}, "allow_oversubscribe": True})
     assert (spec.model.dim, spec.model.n_kv_heads, spec.model.vocab_size) == (4096, 8, 128256)
     assert spec.model.n_layers == 4
 

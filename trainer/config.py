@@ -237,6 +237,9 @@ def layout_errors(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
         )
     if parallel.pp_virtual_stages > 1 and parallel.pp_schedule != "interleaved_1f1b":
         errors.append("parallel.pp_virtual_stages > 1 needs parallel.pp_schedule=interleaved_1f1b")
+    if model.tie_embeddings and parallel.pp > 1:
+        # The embedding sits on the first stage and the output head on the last: they cannot share a tensor.
+        errors.append("model.tie_embeddings needs parallel.pp=1; set tie_embeddings=false or pp=1")
     per_step = parallel.dp * train.micro_batch_size
     if train.global_batch_size % per_step:
         errors.append(

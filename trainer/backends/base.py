@@ -39,9 +39,19 @@ class Backend(ABC):
         return torch.device(self.device_type, local_rank)
 
     def init_process_group(self, timeout_s: float) -> None:
-        """Join the torchrun rendezvous; ``timeout_s`` bounds every collective so a lost peer fails fast."""
-        if not dist.is_initialized():
-            dist.init_process_group(backend=self.dist_backend, timeout=timedelta(seconds=timeout_s))
+        """Join the torchrun rendezvous; ``timeout_s`` bounds every collective so a lost peer fails fast.
+
+        torchrun keeps one store across ``--max-restarts`` restarts, so a restarted rank could read a
+        dead peer's address from the previous attempt (gloo: "connectFullMesh failed ... Connection
+        refused"); keys are therefore prefixed with the attempt number.
+        """
+        if dist.is_initialized():
+            return
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend=self.dist_backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
 
     def launch_env(self, chips_per_node: int) -> dict[str, str]:
         """Environment variables the launcher sets on every worker of this backend."""

@@ -1,0 +1,72 @@
+"""torchrun agents on this host: each in its own session, recorded in the run dir, stopped as a group.
+
+The train task stops its agents when it ends; the record lets tear-down stop them too when the flow
+run is cancelled or crashes while the task's thread cannot clean up, so no worker outlives its run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+PID_FILE = "agents.pid"
+STOP_GRACE_S = 15.0
+
+
+def start_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.Popen[str]:
+    """Start one agent (own session: a signal to its group reaches all its workers) and record its pid."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
+    with (run_dir / PID_FILE).open("a") as record:
+        record.write(f"{proc.pid}\n")
+    return proc
+
+
+def stop_agent(proc: subprocess.Popen[str]) -> None:
+    """TERM the agent's process group, then KILL it after a grace period; no-op if it has exited."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _is_agent_of(pid: int, run_dir: Path) -> bool:
+    """Guards against pid reuse: the process must still be a torchrun agent for this run dir."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"torch.distributed.run" in argv and str(run_dir).encode() in argv
+
+
+def stop_recorded_agents(run_dir: Path) -> list[int]:
+    """Stop every recorded agent of ``run_dir`` still running (not our child here); return their pids."""
+    record = run_dir / PID_FILE
+    if not record.exists():
+        return []
+    alive = [pid for pid in map(int, record.read_text().split()) if _is_agent_of(pid, run_dir)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive:
+            if _is_agent_of(pid, run_dir):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, sig)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(_is_agent_of(pid, run_dir) for pid in alive):
+            time.sleep(0.2)
+    record.unlink()
+    return alive

@@ -1,0 +1,33 @@
+"""The few-step spec the orchestration tests run: the real pipeline, as small as it gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deployments.spec import TrainingSpec
+
+
+def tiny_spec_dict(
+    root: Path, name: str, steps: int = 6, interval: int = 3, **overrides: Any
+) -> dict[str, Any]:
+    """2 CPU processes (FSDP2 over gloo), a generated corpus, checkpoints every ``interval`` steps."""
+    spec: dict[str, Any] = {
+        "name": name,
+        "model": {"preset": "tiny"},
+        "data": {"source": "generated", "output_url": str(root / "data"), "max_documents": 200},
+        "train": {"steps": steps, "seq_len": 32, "global_batch_size": 4, "micro_batch_size": 2},
+        "parallel": {"dp_shard": 2},
+        "cluster": {"accelerator": "cpu", "chip": "cpu", "nodes": 1, "chips_per_node": 2},
+        "checkpoint": {"interval": interval, "keep_last": 5, "mode": "sync"},
+        "optimizer": {"warmup_steps": 1},
+        "eval": {"batches": 2, "sample_tokens": 4, "poll_interval_s": 0.5},
+        "faults": {"retry_delay_s": 0},
+    }
+    for section, values in overrides.items():
+        spec[section] = {**spec[section], **values} if isinstance(values, dict) else values
+    return spec
+
+
+def tiny_spec(root: Path, name: str, **kwargs: Any) -> TrainingSpec:
+    return TrainingSpec.model_validate(tiny_spec_dict(root, name, **kwargs))

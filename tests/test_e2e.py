@@ -1,0 +1,168 @@
+"""End to end as a user runs it: a real ``prefect server``, the work pools, ``prefect deploy --all``
+from the repo root's prefect.yaml, a real process worker, and a pipeline run triggered through the
+API with JSON parameters; an invalid spec is rejected by the server, naming the field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterId,
+)
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from deployments.register import REPO_ROOT
+from tests.pipeline_specs import tiny_spec_dict
+from tests.prefect_server import server_env
+from trainer.checkpoint.manifest import list_checkpoints
+from trainer.data.manifest import read_manifest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.dist]
+RUN_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def client(prefect_server: str) -> Iterator[SyncPrefectClient]:
+    with temporary_settings({PREFECT_API_URL: prefect_server}), get_client(sync_client=True) as api:
+        yield api
+
+
+def cli(env: dict[str, str], *args: str) -> str:
+    result = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (
+        f"{' '.join(args)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    )
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def deployed(
+    prefect_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, str], Path]]:
+    """Pools created, every deployment of prefect.yaml deployed, a worker polling tessera-cpu."""
+    home = tmp_path_factory.mktemp("prefect-client")
+    env = server_env(prefect_server, home)
+    cli(env, sys.executable, "-m", "deployments.cli", "pools")
+    cli(env, sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all")
+    runs = tmp_path_factory.mktemp("runs")
+    worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    log = home / "worker.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "worker",
+                "start",
+                "--pool",
+                "tessera-cpu",
+                "--type",
+                "process",
+            ],
+            cwd=REPO_ROOT,
+            env=worker_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield env, runs
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        print(log.read_text()[-5000:])  # shown by pytest only when a test failed
+
+
+def deployment_id(client: SyncPrefectClient, name: str) -> object:
+    return client.read_deployment_by_name(name).id
+
+
+def test_every_deployment_is_registered_with_its_pool_and_schema(
+    client: SyncPrefectClient, deployed: object
+) -> None:
+    pools = {p.name: p.type for p in client.read_work_pools()}
+    assert pools == {
+        "tessera-cpu": "process",
+        "tessera-gpu": "kubernetes",
+        "tessera-tpu": "kubernetes",
+        "tessera-trainium": "kubernetes",
+    }
+    pipeline = client.read_deployment_by_name("train-pipeline/local-cpu")
+    assert pipeline.work_pool_name == "tessera-cpu" and pipeline.parameters["spec"]["name"] == "tiny-local"
+    schema = pipeline.parameter_openapi_schema
+    cluster = schema["definitions"]["ClusterSpec"]["properties"]
+    assert cluster["accelerator"]["enum"] == ["cpu", "gpu", "tpu", "trainium"]
+    assert (
+        cluster["nodes"]["minimum"] == 1
+        and cluster["nodes"]["default"] == 1
+        and cluster["nodes"]["description"]
+    )
+    tpu = client.read_deployment_by_name("train-pipeline/tpu-llama3-70b-v5p")
+    assert tpu.work_pool_name == "tessera-tpu" and tpu.job_variables["image"].endswith(":tpu")
+    nightly = client.read_deployment_by_name("train-pipeline/nightly")
+    assert nightly.schedules[0].schedule.cron == "0 3 * * *"
+    assert client.read_deployment_by_name("evaluate-checkpoints/local-cpu").schedules[0].schedule.interval
+
+
+def test_invalid_spec_is_rejected_by_the_server_and_launches_nothing(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    bad = tiny_spec_dict(tmp_path, "e2e-bad", cluster={"accelerator": "fpga"})
+    pipeline = deployment_id(client, "train-pipeline/local-cpu")
+    with pytest.raises(PrefectHTTPStatusError) as rejected:
+        client.create_flow_run_from_deployment(pipeline, parameters={"spec": bad})
+    assert rejected.value.response.status_code in (409, 422) and "accelerator" in rejected.value.response.text
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[pipeline])))
+    assert not [r for r in runs if r.parameters.get("spec", {}).get("name") == "e2e-bad"]
+    assert not (deployed[1] / "e2e-bad").exists()
+
+
+def test_pipeline_deployment_run_trains_validates_and_evaluates(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    # Two torchrun agents on loopback sharing one c10d rendezvous stand in for two nodes.
+    spec = tiny_spec_dict(
+        tmp_path, "e2e-tiny", steps=6, interval=3, cluster={"nodes": 2, "chips_per_node": 1}
+    )
+    run = client.create_flow_run_from_deployment(
+        deployment_id(client, "train-pipeline/local-cpu"), parameters=json.loads(json.dumps({"spec": spec}))
+    )
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (run := client.read_flow_run(run.id)).state.is_final():
+        assert time.monotonic() < deadline, f"flow run still {run.state.name} after {RUN_TIMEOUT_S} s"
+        time.sleep(2)
+    assert run.state.is_completed(), run.state.message
+
+    manifest = read_manifest(str(next((tmp_path / "data").glob("*/manifest.json"))))
+    assert manifest.totals["train"].shards >= 1 and manifest.totals["val"].samples > 0
+    run_dir = deployed[1] / "e2e-tiny"
+    assert [(m.step, m.status) for m in list_checkpoints(str(run_dir / "checkpoints"))] == [
+        (3, "validated"),
+        (6, "validated"),
+    ]
+    assert sorted(p.name for p in (run_dir / "evals").glob("*.json")) == [
+        "step-000003.json",
+        "step-000006.json",
+    ]
+    keys = {f"e2e-tiny-{k}" for k in ("plan", "progress", "eval", "loss-curve", "report")}
+    artifacts = client.read_artifacts(
+        artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sorted(keys)))
+    )
+    assert {a.key for a in artifacts} == keys

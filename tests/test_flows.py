@@ -1,0 +1,139 @@
+"""The pipeline flow in-process against a real Prefect server and real torchrun workers: a worker
+SIGKILLed mid-training is retried as a node failure and the run completes with every artifact; a
+NaN loss is a user error and is not retried; catch-up evaluation picks up what was missed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.objects import TaskRun
+
+from flows.pipeline import evaluate_checkpoints, train_pipeline
+from tests.pipeline_specs import tiny_spec
+from trainer.checkpoint.manifest import list_checkpoints
+from trainer.metrics import read_metrics
+
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.dist]
+
+
+@pytest.fixture(autouse=True)
+def runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TESSERA_RUNS_DIR", str(tmp_path / "runs"))
+    return tmp_path / "runs"
+
+
+def _argv(pid: str) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def training_workers(run_dir: Path) -> list[int]:
+    """pids of the ranks training in ``run_dir``: children of a torchrun agent (not data-loader workers)."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        argv = _argv(proc.name)
+        if b"trainer.train" not in argv or str(run_dir).encode() not in argv:
+            continue
+        try:
+            parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if b"torch.distributed.run" in _argv(parent) and b"torch.distributed.run" not in argv:
+            pids.append(int(proc.name))
+    return pids
+
+
+def kill_a_worker_at(run_dir: Path, step: int) -> threading.Thread:
+    """SIGKILL one training worker once the run has logged ``step`` (after a committed checkpoint)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            records = read_metrics(run_dir / "metrics.jsonl")
+            workers = training_workers(run_dir)
+            if records and records[-1]["step"] >= step and workers:
+                os.kill(workers[-1], signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def task_runs(flow_run_id: UUID) -> dict[str, TaskRun]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run for run in runs}
+
+
+def artifact_keys(prefix: str) -> set[str]:
+    keys = {f"{prefix}-{kind}" for kind in ("plan", "progress", "eval", "loss-curve", "report")}
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sorted(keys)))
+        )
+    return {a.key for a in found}
+
+
+@pytest.mark.fault
+def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
+    tmp_path: Path, runs_dir: Path
+) -> None:
+    spec = tiny_spec(
+        tmp_path, "flow-fault", steps=12, interval=4, faults={"max_restarts": 0, "node_failure_retries": 1}
+    )  # no in-job restart: the task retries
+    run_dir = runs_dir / spec.name
+    killer = kill_a_worker_at(run_dir, step=5)
+    state = train_pipeline(spec, return_state=True)
+    killer.join(timeout=1)
+    assert state.is_completed(), state.message
+
+    runs = task_runs(state.state_details.flow_run_id)
+    train = next(run for name, run in runs.items() if name.startswith("train"))
+    assert train.run_count == 2, "the killed attempt was retried once"
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(
+        range(1, 13)
+    )  # resumed, no dupes
+
+    checkpoints = list_checkpoints(str(run_dir / "checkpoints"))
+    assert [(m.step, m.status) for m in checkpoints] == [
+        (4, "validated"),
+        (8, "validated"),
+        (12, "validated"),
+    ]
+    assert state.result() == checkpoints[-1].url
+    evals = [json.loads(p.read_text()) for p in sorted((run_dir / "evals").glob("*.json"))]
+    assert [e["step"] for e in evals] == [4, 8, 12] and all(e["perplexity"] > 1 for e in evals)
+    assert (run_dir / "loss.png").stat().st_size > 0 and "| 12 | validated |" in (
+        run_dir / "report.md"
+    ).read_text()
+    assert artifact_keys(spec.name) == {
+        f"{spec.name}-{k}" for k in ("plan", "progress", "eval", "loss-curve", "report")
+    }
+
+    (run_dir / "evals" / "step-000008.json").unlink()
+    assert [e["step"] for e in evaluate_checkpoints(spec)] == [8]  # only the missing evaluation is redone
+
+
+def test_nan_loss_is_a_user_error_and_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_FAULT_NAN_AT_STEP", "2")
+    spec = tiny_spec(tmp_path, "flow-nan", steps=4, faults={"node_failure_retries": 2, "max_restarts": 0})
+    state = train_pipeline(spec, return_state=True)
+    assert state.is_failed()
+    train = next(
+        run for name, run in task_runs(state.state_details.flow_run_id).items() if name.startswith("train")
+    )
+    assert train.run_count == 1 and train.state.is_failed()
+    assert "user_error" in train.state.message

@@ -1,0 +1,371 @@
+"""The planner against published figures and against memory measured on CPU.
+
+References: Llama 3 parameter counts (Dubey et al. 2024); ZeRO model-state accounting (Rajbhandari et
+al. 2020, Figure 1); Megatron-LM's training-FLOPs formula (Narayanan et al. 2021, §5.1); Young/Daly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from deployments.cli import app
+from deployments.spec import SPEC_DIR, SpecError, load_spec, parse_spec
+from trainer.backends.chips import get_chip
+from trainer.config import (
+    CheckpointConfig,
+    HardwareConfig,
+    JobConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    layout_errors,
+)
+from trainer.plan import make_plan, plan_for_job, resolve_checkpoint_interval, search_layouts
+from trainer.plan.checkpointing import daly_interval_seconds, mtbf_seconds
+from trainer.plan.layout import Geometry
+from trainer.plan.memory import estimate_memory, layer_activation_bytes, model_state_bytes
+from trainer.plan.params import count_params
+
+REPO = Path(__file__).resolve().parents[1]
+SPECS = sorted(SPEC_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"), [("llama3-8b", 8.0e9), ("llama3-70b", 70.6e9), ("llama3-405b", 405.9e9)]
+)
+def test_llama3_parameter_counts_match_published(preset: str, published: float) -> None:
+    assert count_params(ModelConfig(preset=preset)).total == pytest.approx(published, rel=0.01)
+
+
+def test_zero_figure_1_model_states() -> None:
+    # Ψ = 7.5B, N_d = 64, K = 12: 120 GB per GPU replicated, 1.9 GB with P_os+g+p.
+    assert model_state_bytes(7.5e9, 1) == 120e9
+    assert round(model_state_bytes(7.5e9, 64) / 1e9, 1) == 1.9
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_plan_model_states_shard_over_dp_shard_and_replicate_over_dp_replicate(precision: str) -> None:
+    model, train = (
+        ModelConfig(preset="llama3-8b"),
+        TrainConfig(seq_len=2048, global_batch_size=64, micro_batch_size=1),
+    )
+    hardware = HardwareConfig(accelerator="gpu", chip="h100-sxm", nodes=8, chips_per_node=8)
+    psi = count_params(model).total
+    for parallel, degree in ((ParallelConfig(dp_replicate=64), 1), (ParallelConfig(dp_shard=64), 64)):
+        mem = make_plan(
+            model,
+            parallel.model_copy(update={"mixed_precision": precision}),
+            train,
+            hardware,
+            CheckpointConfig(),
+        ).memory_per_chip_bytes
+        assert mem.params + mem.grads + mem.optimizer == pytest.approx(16 * psi / degree)
+
+
+def test_megatron_gpt3_175b_flops_formula() -> None:
+    # Narayanan et al. 2021, Table 1's GPT-3 row: l=96, h=12288, V=51200, s=2048, B=1536 on 1536 GPUs
+    # (t=8, p=16), full recomputation. Equivalent config: MHA (n_kv_heads = n_heads) and a SwiGLU of width
+    # 8h/3, whose 3·h·f = 8h² matches GPT's 4h MLP; no biases, so the formula is exact up to norm gains.
+    layers, h, vocab, s, batch = 96, 12288, 51200, 2048, 1536
+    model = ModelConfig(
+        preset="custom",
+        n_layers=layers,
+        dim=h,
+        n_heads=96,
+        n_kv_heads=96,
+        ffn_dim=8 * h // 3,
+        vocab_size=vocab,
+        rope_theta=1e4,
+    )
+    parallel = ParallelConfig(dp_shard=12, tp=8, pp=16, activation_checkpointing="full")
+    train = TrainConfig(seq_len=s, global_batch_size=batch, micro_batch_size=1)
+    hardware = HardwareConfig(accelerator="gpu", chip="a100-80gb", nodes=192, chips_per_node=8)
+    assert not layout_errors(model, parallel, train, hardware)
+    plan = make_plan(model, parallel, train, hardware, CheckpointConfig())
+    megatron = 96 * batch * s * layers * h**2 * (1 + s / (6 * h) + vocab / (16 * layers * h))
+    assert plan.hardware_flops_per_step == pytest.approx(megatron, rel=1e-9)
+    assert plan.flops_per_step == pytest.approx(megatron * 3 / 4, rel=0.01)  # model FLOPs: no recompute
+
+
+def _saved_activation_bytes(block: object, x: object, rope: object) -> int:
+    """Bytes of distinct storages autograd saves in one block's forward, excluding weights and the RoPE table."""
+    import torch
+
+    not_activations = {t.untyped_storage().data_ptr() for t in (*block.parameters(), rope)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in not_activations:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope)
+    return sum(saved.values())
+
+
+def test_layer_activation_formula_matches_saved_tensors_exactly() -> None:
+    """Every tensor autograd saves in one block, counted by storage, equals the docstring's A_layer."""
+    torch = pytest.importorskip("torch")
+    from trainer.model import TransformerBlock, rope_table
+
+    cfg, batch, seq = ModelConfig(preset="small"), 4, 128
+    rope = rope_table(cfg.head_dim, seq, cfg.rope_theta)
+    for dtype, precision in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
+        geo = Geometry(
+            cfg,
+            ParallelConfig(mixed_precision=precision),
+            TrainConfig(seq_len=seq, global_batch_size=batch, micro_batch_size=batch),
+            "cpu",
+        )
+        assert _saved_activation_bytes(TransformerBlock(cfg).to(dtype), x, rope) == sum(
+            layer_activation_bytes(geo)
+        )
+
+
+@pytest.mark.parametrize(
+    ("preset", "ac"), [("tiny", "none"), ("tiny", "selective"), ("tiny", "full"), ("small", "none")]
+)
+def test_memory_estimate_within_10_percent_of_measured_peak(preset: str, ac: str) -> None:
+    """fwd + bwd + the trainer's AdamW step, one CPU process; peak from torch's MemTracker on the second step."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trainer.config import OptimizerConfig
+    from trainer.model import Transformer
+    from trainer.optim import build_optimizer
+    from trainer.parallel import token_loss
+    from trainer.parallel.activation import apply_ac
+
+    cfg, batch, seq = ModelConfig(preset=preset), 4, 128
+    torch.manual_seed(0)
+    model = apply_ac(Transformer(cfg, seq), ac)
+    optimizer = build_optimizer(model, OptimizerConfig())
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        token_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()  # the trainer's loss, logits unreferenced
+        optimizer.step()
+
+    for param in model.parameters():  # a zero-gradient step materializes AdamW's states without a fwd/bwd
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    measured = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    geo = Geometry(
+        cfg,
+        ParallelConfig(activation_checkpointing=ac),
+        TrainConfig(seq_len=seq, global_batch_size=batch, micro_batch_size=batch),
+        "cpu",
+    )
+    estimate = estimate_memory(geo).total
+    assert estimate == pytest.approx(measured, rel=0.10), (
+        f"estimate {estimate:,.0f} B, measured {measured:,.0f} B"
+    )
+
+
+def test_pipeline_bubble_and_in_flight_microbatches() -> None:
+    model = ModelConfig(preset="small")
+    train = TrainConfig(seq_len=128, global_batch_size=16, micro_batch_size=1)
+    hardware = HardwareConfig(chips_per_node=4)
+    plans = {
+        schedule: make_plan(
+            model,
+            ParallelConfig(pp=4, pp_schedule=schedule, pp_virtual_stages=v),
+            train,
+            hardware,
+            CheckpointConfig(),
+        )
+        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+    }
+    assert plans["gpipe"].bubble_fraction == plans["1f1b"].bubble_fraction == 3 / 16
+    assert plans["interleaved_1f1b"].bubble_fraction == 3 / 32
+    activations = {k: p.memory_per_chip_bytes.activations for k, p in plans.items()}
+    assert activations["gpipe"] == pytest.approx(activations["1f1b"] * 16 / 4)  # m vs p in flight
+    assert activations["1f1b"] < activations["interleaved_1f1b"] < activations["gpipe"]
+
+
+def test_placement_keeps_tp_in_the_fast_domain() -> None:
+    model, train = (
+        ModelConfig(preset="llama3-70b"),
+        TrainConfig(seq_len=4096, global_batch_size=64, micro_batch_size=1),
+    )
+    gpu = make_plan(
+        model,
+        ParallelConfig(dp_shard=8, tp=8, activation_checkpointing="full"),
+        train,
+        HardwareConfig(accelerator="gpu", chip="h100-sxm", nodes=8, chips_per_node=8),
+        CheckpointConfig(),
+    )
+    domains = {p.dim: (p.domain, p.bandwidth) for p in gpu.placement}
+    assert domains["tp"] == ("intra", 450e9) and domains["dp_shard"] == ("inter", 50e9)
+    assert domains["pp"][0] == domains["dp_replicate"][0] == "local"
+    # A TPU slice is one ICI domain across hosts; a mesh dim rides one of the 3 torus axes.
+    tpu = make_plan(
+        model,
+        ParallelConfig(dp_shard=16, tp=4),
+        train,
+        HardwareConfig(accelerator="tpu", chip="tpu-v5p", nodes=16, chips_per_node=4),
+        CheckpointConfig(),
+    )
+    assert {p.dim: p.domain for p in tpu.placement if p.degree > 1} == {"tp": "intra", "dp_shard": "intra"}
+    assert tpu.placement[0].bandwidth == pytest.approx(600e9 / 3)
+
+
+def test_fsdp_traffic_is_the_ring_formula() -> None:
+    model, train = (
+        ModelConfig(preset="llama3-8b"),
+        TrainConfig(seq_len=8192, global_batch_size=8, micro_batch_size=1),
+    )
+    plan = make_plan(
+        model,
+        ParallelConfig(dp_shard=8, mixed_precision="bf16"),
+        train,
+        HardwareConfig(accelerator="gpu", chip="h100-sxm", chips_per_node=8),
+        CheckpointConfig(),
+    )
+    psi = count_params(model).total
+    # per micro-batch: all-gather bf16 params in forward and backward, reduce-scatter fp32 grads
+    expected = (2 * 2 * psi + 4 * psi) * 7 / 8
+    assert plan.comm_bytes_per_step == pytest.approx(expected)
+    assert plan.comm_time_s == pytest.approx(expected / 450e9 + 3 * 7 * 5e-6)
+    assert 0 < plan.mfu <= plan.assumed_mfu
+
+
+def test_checkpoint_interval_young_daly() -> None:
+    # C ≪ M: Daly → Young's sqrt(2CM)
+    assert daly_interval_seconds(1.0, 1e6) == pytest.approx(math.sqrt(2e6), rel=1e-3)
+    assert daly_interval_seconds(10.0, 1.0) == 1.0
+    # the Llama 3 failure rate on 16,384 chips gives one interruption every ~3.1 h
+    hardware = HardwareConfig(accelerator="gpu", chip="h100-sxm", nodes=2048, chips_per_node=8)
+    assert mtbf_seconds(get_chip("h100-sxm"), hardware) / 3600 == pytest.approx(3.1, abs=0.05)
+    assert mtbf_seconds(get_chip("h100-sxm"), hardware.model_copy(update={"mtbf_hours": 5.0})) == 5 * 3600
+
+    job = JobConfig(
+        model=ModelConfig(preset="llama3-8b"),
+        parallel=ParallelConfig(dp_shard=8, activation_checkpointing="full", mixed_precision="bf16"),
+        train=TrainConfig(seq_len=8192, global_batch_size=64, micro_batch_size=1),
+        hardware=HardwareConfig(accelerator="gpu", chip="h100-sxm", chips_per_node=8),
+    )
+    sync = plan_for_job(job.model_copy(update={"checkpoint": CheckpointConfig(mode="sync")}))
+    plan = plan_for_job(job)
+    assert plan.checkpoint_bytes == 12 * plan.params
+    assert sync.checkpoint_blocking_s == sync.checkpoint_write_s > plan.checkpoint_blocking_s
+    assert sync.checkpoint_interval_steps > plan.checkpoint_interval_steps
+    assert plan.checkpoint_interval_steps * plan.step_time_s >= plan.checkpoint_write_s  # saves never overlap
+    assert resolve_checkpoint_interval(job) == plan.checkpoint_interval_steps >= 1
+    assert (
+        resolve_checkpoint_interval(job.model_copy(update={"checkpoint": CheckpointConfig(interval=7)})) == 7
+    )
+
+
+def test_search_ranks_valid_fitting_layouts_by_step_time() -> None:
+    spec = load_spec(SPEC_DIR / "tpu-llama3-70b-v5p.yaml")
+    plans = search_layouts(spec.model, spec.parallel, spec.train, spec.cluster, spec.checkpoint)
+    assert len(plans) > 10
+    assert [p.step_time_s for p in plans] == sorted(p.step_time_s for p in plans)
+    for plan in plans:
+        train = spec.train.model_copy(update={"micro_batch_size": plan.micro_batch_size})
+        assert plan.fits and not layout_errors(spec.model, plan.parallel, train, spec.cluster)
+    assert {p.parallel.activation_checkpointing for p in plans} >= {"selective", "full"}
+
+
+IMPOSSIBLE = {
+    "name": "too-big",
+    "model": {"preset": "llama3-70b"},
+    "parallel": {"dp_replicate": 8},
+    "cluster": {"accelerator": "gpu", "chip": "h100-sxm", "chips_per_node": 8},
+    "train": {"seq_len": 8192, "global_batch_size": 64, "micro_batch_size": 1},
+}
+
+
+def test_spec_refuses_a_layout_that_does_not_fit_and_suggests_one_that_does() -> None:
+    with pytest.raises(SpecError, match=r"needs [\d,.]+ GB per chip but h100-sxm has 80 GB.*add chips"):
+        parse_spec(IMPOSSIBLE)
+    assert parse_spec({**IMPOSSIBLE, "allow_oversubscribe": True}).parallel.dp_replicate == 8
+
+    smaller = {**IMPOSSIBLE, "model": {"preset": "llama3-8b"}}
+    with pytest.raises(
+        SpecError, match=r"h100-sxm has 80 GB.*; try dp_replicate=\d+ .* \(tessera plan --search\)"
+    ) as err:
+        parse_spec(smaller)
+    # the suggestion applies as written: every knob it names goes back into the spec, and it validates
+    suggestion = str(err.value).split("try ")[1].split(" (tessera")[0]
+    knobs = dict(knob.split("=") for knob in suggestion.split())
+    micro = int(knobs.pop("micro_batch_size"))
+    parallel = {k: v if k == "activation_checkpointing" else int(v) for k, v in knobs.items()}
+    fixed = parse_spec(
+        {**smaller, "parallel": parallel, "train": {**smaller["train"], "micro_batch_size": micro}}
+    )
+    assert fixed.parallel.world_size == 8
+
+
+def test_cli_validate_refuses_impossible_spec_without_traceback(tmp_path: Path) -> None:
+    import yaml
+
+    path = tmp_path / "too-big.yaml"
+    path.write_text(yaml.safe_dump(IMPOSSIBLE))
+    result = subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "validate", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "GB per chip but h100-sxm has 80 GB" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_cli_plan_every_shipped_spec(path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(app, ["plan", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    for key in (
+        "params",
+        "hbm_bytes",
+        "fits",
+        "flops_per_token",
+        "flops_per_step",
+        "step_time_s",
+        "mfu",
+        "comm_bytes_per_step",
+        "comm_time_s",
+        "bubble_fraction",
+        "checkpoint_bytes",
+        "checkpoint_write_s",
+        "checkpoint_interval_steps",
+        "placement",
+    ):
+        assert key in plan
+    assert set(plan["memory_per_chip_bytes"]) >= {
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "buffers",
+        "total",
+    }
+    assert plan["fits"] and 0 < plan["mfu"] < 1 and plan["checkpoint_interval_steps"] >= 1
+    human = runner.invoke(app, ["plan", str(path), "--search", "--top", "3"])
+    assert human.exit_code == 0, human.output
+    assert "memory per chip" in human.output and "layouts that fit, fastest first" in human.output
+
+
+def test_planner_and_spec_validation_do_not_import_torch() -> None:
+    code = "import sys, deployments.spec, trainer.plan; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -1,0 +1,128 @@
+"""Task bodies against a real (in-process) Prefect server: caching, plan artifacts and refusal,
+provisioning handles, the retry condition, and the loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.states import Completed, Failed
+
+from deployments.spec import SPEC_DIR, load_spec
+from tasks.agents import start_agent, stop_agent
+from tasks.curves import plot_loss_curve
+from tasks.data import prepare_dataset_task
+from tasks.plan import job_for, plan_task
+from tasks.provision import provision_task, teardown_task
+from tasks.train import TrainingFailed, retry_on_node_failure
+from tests.pipeline_specs import tiny_spec
+from trainer.data.manifest import read_manifest
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+@pytest.fixture(autouse=True)
+def runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TESSERA_RUNS_DIR", str(tmp_path / "runs"))
+    return tmp_path / "runs"
+
+
+def artifact(key: str) -> object:
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    assert found, f"no artifact {key}"
+    data = found[0].data
+    return json.loads(data) if isinstance(data, str) else data
+
+
+def test_data_preparation_is_cached_on_its_inputs(tmp_path: Path) -> None:
+    spec = tiny_spec(tmp_path, "cache")
+    args = (spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
+    first = prepare_dataset_task(*args, return_state=True)
+    second = prepare_dataset_task(*args, return_state=True)
+    assert first.is_completed() and second.name == "Cached"
+    manifest_url = second.result()
+    assert manifest_url == first.result() and read_manifest(manifest_url).totals["train"].samples > 0
+    other_seed = prepare_dataset_task(
+        spec.data, spec.model.vocab_size, spec.train.seq_len, 1, return_state=True
+    )
+    assert other_seed.name != "Cached"
+
+
+def test_plan_publishes_a_table_and_warns_when_oversubscribed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = plan_task(tiny_spec(tmp_path, "plan-ok"), None)
+    assert plan.fits
+    rows = {row["quantity"]: row["value"] for row in artifact("plan-ok-plan")}
+    assert rows["fits in HBM"] == "yes" and rows["checkpoint interval"] == "3 steps"
+    assert {"memory per chip", "step time", "MFU"} <= set(rows)
+    big = tiny_spec(tmp_path, "plan-big", model={"preset": "llama3-8b"}, allow_oversubscribe=True)
+    assert not plan_task(big, None).fits
+    assert "launching anyway because allow_oversubscribe is set" in caplog.text
+
+
+def test_job_resolves_checkpoint_url_and_auto_interval(tmp_path: Path, runs_dir: Path) -> None:
+    job = job_for(tiny_spec(tmp_path, "auto", checkpoint={"interval": "auto"}), "file:///d/manifest.json")
+    assert job.checkpoint.url == str(runs_dir / "auto" / "checkpoints")
+    assert job.checkpoint_interval_steps and job.checkpoint_interval_steps >= 1
+
+
+def test_provision_local_multi_node_and_kubernetes(tmp_path: Path, runs_dir: Path) -> None:
+    spec = tiny_spec(tmp_path, "two-nodes", cluster={"nodes": 2, "chips_per_node": 1})
+    local = provision_task(spec, job_for(spec, None))
+    assert local.kind == "local" and local.nodes == 2 and local.procs_per_node == 1
+    assert local.rdzv_endpoint and local.rdzv_endpoint.startswith("127.0.0.1:")
+    assert local.job_path == runs_dir / "two-nodes" / "job.json" and local.job_path.exists()
+    gpu = load_spec(SPEC_DIR / "gpu-llama3-8b-h100.yaml")
+    remote = provision_task(gpu, job_for(gpu, "s3://b/d/manifest.json"))
+    assert remote.kind == "kubernetes" and [m["kind"] for m in remote.manifests] == [
+        "ConfigMap",
+        "Service",
+        "Job",
+    ]
+    assert (runs_dir / gpu.name / "manifests" / "tessera-llama3-8b-h100.yaml").exists()
+
+
+def test_retry_condition_retries_only_node_failures() -> None:
+    def decide(state: object) -> bool:
+        return retry_on_node_failure(None, None, state)  # type: ignore[arg-type]
+
+    assert decide(Failed(data=TrainingFailed("node_failure", -9, "exitcode  : -9 (pid: 1)")))
+    assert not decide(Failed(data=TrainingFailed("user_error", 3, "loss is NaN")))
+    assert not decide(Failed(data=ValueError("a bug")))
+    assert not decide(Completed(data="s3://ckpt"))
+
+
+def test_loss_curve_is_a_png(tmp_path: Path) -> None:
+    metrics = [{"step": s, "loss": 8.0 - 0.1 * s} for s in range(1, 11)]
+    evals = [{"step": 5, "loss": 7.6}, {"step": 10, "loss": 7.1}]
+    path = plot_loss_curve(metrics, evals, tmp_path / "loss.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_teardown_stops_agents_a_cancelled_train_task_left_running(tmp_path: Path, runs_dir: Path) -> None:
+    spec = tiny_spec(tmp_path, "teardown")
+    cluster = provision_task(spec, job_for(spec, None))
+    # A real process shaped like a torchrun agent of this run (argv names the launcher and the run dir).
+    agent = start_agent(
+        [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run", str(cluster.run_dir)],
+        dict(os.environ),
+        cluster.run_dir,
+    )
+    stranger = start_agent(
+        [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ), cluster.run_dir
+    )
+    try:
+        teardown_task(cluster)
+        assert agent.wait(timeout=20) == -signal.SIGTERM
+        assert stranger.poll() is None, "a process that is not this run's agent is left alone"
+    finally:
+        stop_agent(stranger)
+        stop_agent(agent)

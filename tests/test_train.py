@@ -1,0 +1,339 @@
+"""The training loop and its launch path: real torchrun over gloo, three launches in all.
+
+1. ``run_local`` (what ``tessera train`` runs), 4 processes: rank 0 hangs at step 6 → the watchdog
+   exits 4 → classified a node failure; the step-4 checkpoint was committed by 4 ranks.
+2. ``tests/dist/train_scenarios.py``, 2 processes: two identical runs (determinism), resuming the
+   4-process checkpoint on 2 processes (resharding), and the bad inputs.
+3. ``tessera train``, 2 processes: the last rank is SIGKILLed at step 6, torchrun restarts the group,
+   it resumes from step 4, and the curve equals the uninterrupted one bitwise.
+The rest runs without torchrun: schedule, metrics file, exit classification, commands, watchdog.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments.spec import TrainingSpec
+from trainer.checkpoint import list_checkpoints
+from trainer.config import JobConfig, OptimizerConfig
+from trainer.failures import EXIT_HANG, classify_exit, worker_exit_code
+from trainer.launch import LaunchResult, launch_env, run_local, torchrun_command
+from trainer.metrics import MetricsWriter, read_metrics
+from trainer.optim import build_optimizer, build_scheduler, lr_factor
+
+REPO = Path(__file__).resolve().parents[1]
+LOGS = Path(__file__).parent / "data" / "torchrun_logs"
+TIMEOUT_S = 300
+CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "tokens")  # everything but wall-clock timings
+
+SPEC: dict[str, Any] = {
+    "name": "train-test",
+    "seed": 3,
+    "model": {
+        "preset": "custom",
+        "n_layers": 2,
+        "dim": 64,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 128,
+        "vocab_size": 256,
+        "rope_theta": 1e4,
+    },
+    "data": {"loader_workers": 0},
+    "train": {"steps": 8, "seq_len": 16, "global_batch_size": 8, "micro_batch_size": 2},
+    "parallel": {"dp_shard": 2},
+    "cluster": {"chips_per_node": 2},
+    "optimizer": {"lr": 1e-2, "warmup_steps": 2},
+    "checkpoint": {"interval": 4},
+    "faults": {"max_restarts": 0, "step_timeout_s": 60},
+}
+
+
+def spec_with(**sections: dict[str, Any]) -> dict[str, Any]:
+    return {**SPEC, **{name: {**SPEC.get(name, {}), **values} for name, values in sections.items()}}
+
+
+def job_of(spec: dict[str, Any]) -> JobConfig:
+    return TrainingSpec.model_validate(spec).job_config(data_url=None)
+
+
+def curve(run_dir: Path) -> list[dict[str, Any]]:
+    return [{key: line[key] for key in CURVE_KEYS} for line in read_metrics(run_dir / "metrics.jsonl")]
+
+
+# ---------------------------------------------------------------------------------------- launches
+
+
+@pytest.fixture(scope="module")
+def hung_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LaunchResult]:
+    base = tmp_path_factory.mktemp("train")
+    # Sync checkpoints here and in the crash test: the step-4 checkpoint must be committed before the
+    # fault at step 6 however slow a loaded CI box is (the async path is covered by runs a and b).
+    job = job_of(
+        spec_with(
+            parallel={"dp_shard": 4},
+            cluster={"chips_per_node": 4},
+            checkpoint={"mode": "sync"},
+            faults={"step_timeout_s": 10},
+        )
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESSERA_FAULT_HANG_AT_STEP", "6")
+        return base, run_local(job, base / "from4", echo=False)
+
+
+@pytest.fixture(scope="module")
+def scenarios(hung_run: tuple[Path, LaunchResult]) -> tuple[Path, dict[str, str | None]]:
+    base, _ = hung_run
+    job = job_of(SPEC)
+    job_json, result_json = base / "job.json", base / "scenarios.json"
+    job_json.write_text(job.model_dump_json())
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(REPO / "tests" / "dist" / "train_scenarios.py"),
+        str(job_json),
+        str(base),
+        str(result_json),
+    ]
+    done = subprocess.run(
+        cmd, cwd=REPO, env=launch_env(job), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return base, json.loads(result_json.read_text())
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_watchdog_turns_a_hang_into_a_node_failure(hung_run: tuple[Path, LaunchResult]) -> None:
+    base, result = hung_run
+    assert result.returncode == 1 and result.worker_exit_code == EXIT_HANG, result.log_tail
+    assert result.kind == "node_failure"
+    assert "step 6 hung: no progress for faults.step_timeout_s=10s" in result.log_tail
+    (manifest,) = list_checkpoints(str(base / "from4" / "checkpoints"))
+    assert (manifest.step, manifest.world_size, manifest.status) == (4, 4, "committed")
+
+
+@pytest.mark.dist
+def test_same_job_same_curve_and_checkpoints(scenarios: tuple[Path, dict[str, str | None]]) -> None:
+    base, _ = scenarios
+    first, second = curve(base / "a"), curve(base / "b")
+    assert [line["step"] for line in first] == list(range(1, 9))
+    assert first == second  # bitwise: floats compared exactly
+    losses = [line["loss"] for line in first]
+    assert losses[0] == pytest.approx(math.log(256), abs=1.0)  # starts near uniform over the vocab
+    assert sum(losses[-2:]) < sum(losses[:2])  # and learns the synthetic sequences
+    manifests = list_checkpoints(str(base / "a" / "checkpoints"))
+    assert [(m.step, m.status, m.tokens) for m in manifests] == [
+        (4, "committed", 4 * 128),
+        (8, "committed", 8 * 128),
+    ]
+    status = json.loads((base / "a" / "status.json").read_text())
+    assert status["state"] == "completed" and status["final_step"] == 8
+    assert status["final_checkpoint"] == manifests[-1].url and status["resumed_from"] is None
+    metrics = read_metrics(base / "a" / "metrics.jsonl")[-1]
+    assert metrics["tokens_per_s"] > 0 and 0 < metrics["mfu"] < 1
+
+
+@pytest.mark.dist
+def test_checkpoint_from_4_processes_resumes_on_2(scenarios: tuple[Path, dict[str, str | None]]) -> None:
+    base, _ = scenarios
+    resumed, reference = curve(base / "from4"), curve(base / "a")
+    # Lines 5.. of the hung attempt were dropped on resume: one line per step, no duplicates.
+    assert [line["step"] for line in resumed] == list(range(1, 9))
+    for got, want in zip(resumed, reference, strict=True):  # other layout: same math, other sum order
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-3)
+        assert got["lr"] == pytest.approx(want["lr"])
+    final = list_checkpoints(str(base / "from4" / "checkpoints"))[-1]
+    assert (final.step, final.world_size) == (8, 2)
+    assert json.loads((base / "from4" / "status.json").read_text())["resumed_from"] == 4
+
+
+@pytest.mark.dist
+def test_bad_inputs_fail_with_one_message_and_keep_checkpoints(
+    scenarios: tuple[Path, dict[str, str | None]],
+) -> None:
+    base, errors = scenarios
+    assert errors["nan"] is not None and errors["nan"].startswith("loss is nan at step 5; lower optimizer.lr")
+    assert errors["other_model"] is not None and "restore the original model config" in errors["other_model"]
+    assert errors["world_size"] is not None and "torchrun started 2 processes" in errors["world_size"]
+    assert (
+        errors["checkpoint_url"] is not None
+        and "'nosuch://bucket/ckpt' is not usable" in errors["checkpoint_url"]
+    )
+    # The NaN run keeps its last good checkpoint and curve; the mismatched model left run a alone.
+    assert [m.step for m in list_checkpoints(str(base / "nan" / "checkpoints"))] == [4]
+    assert curve(base / "nan") == curve(base / "a")[:4]
+    assert [m.step for m in list_checkpoints(str(base / "a" / "checkpoints"))] == [4, 8]
+    assert curve(base / "a") == curve(base / "b")
+    assert not (base / "four").exists() and not (base / "unusable").exists()
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_crash_restart_resume_matches_uninterrupted_curve(
+    scenarios: tuple[Path, dict[str, str | None]],
+    tmp_path: Path,
+) -> None:
+    base, _ = scenarios
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(spec_with(checkpoint={"mode": "sync"}, faults={"max_restarts": 1})))
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "train", str(spec), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env={**launch_env(job_of(SPEC)), "TESSERA_FAULT_CRASH_AT_STEP": "6"},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "exitcode: -9" in output  # the first attempt really lost a rank to SIGKILL
+    assert "resumed from step 4" in output
+    assert curve(run_dir) == curve(base / "a")  # bitwise, across the crash
+    assert json.loads((run_dir / "status.json").read_text())["resumed_from"] == 4
+    assert json.loads((run_dir / "job.json").read_text())["name"] == "train-test"
+
+
+# ------------------------------------------------------------------------------- without torchrun
+
+
+def test_tessera_train_refuses_a_process_count_that_is_not_the_world_size(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(SPEC))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deployments.cli",
+            "train",
+            str(spec),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--nproc",
+            "3",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "--nproc 3 does not match the spec's world size 2" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("log", "worker_code", "kind"),
+    [
+        ("worker_exit_3.log", 3, "user_error"),
+        ("worker_raised_valueerror.log", 1, "user_error"),
+        ("worker_exit_4.log", 4, "node_failure"),
+        ("worker_sigkill.log", -9, "node_failure"),
+        ("gloo_recv_timeout.log", 1, "node_failure"),
+    ],
+)
+def test_classify_real_torchrun_failures(log: str, worker_code: int, kind: str) -> None:
+    """Logs captured from torch 2.13's torchrun (tiny worker scripts; torchrun itself always exits 1)."""
+    text = (LOGS / log).read_text()
+    assert worker_exit_code(1, text) == worker_code
+    assert classify_exit(1, text) == kind
+
+
+def test_classify_exit_codes_without_torchrun() -> None:
+    assert classify_exit(0, "Traceback (most recent call last)") == "ok"
+    assert [classify_exit(code, "") for code in (-9, 137, 143, 4)] == ["node_failure"] * 4
+    assert classify_exit(3, "") == "user_error"
+    assert classify_exit(1, "ValueError: model.dim must be divisible") == "user_error"
+    assert (
+        classify_exit(1, "torch.distributed.elastic.rendezvous.api.RendezvousClosedError") == "node_failure"
+    )
+
+
+def test_torchrun_command_standalone_and_multi_node(tmp_path: Path) -> None:
+    single = torchrun_command(tmp_path / "job.json", tmp_path, 2, max_restarts=1)
+    assert "--standalone" in single and "--max-restarts=1" in single
+    assert single[-5:] == ["trainer.train", "--spec", str(tmp_path / "job.json"), "--run-dir", str(tmp_path)]
+    multi = torchrun_command(
+        tmp_path / "job.json",
+        tmp_path,
+        8,
+        nnodes=2,
+        node_rank=1,
+        rdzv_endpoint="127.0.0.1:29400",
+        run_id="run-1",
+    )
+    assert "--standalone" not in multi
+    assert {
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:29400",
+        "--rdzv-id=run-1",
+    } <= set(multi)
+
+
+def test_launch_env_adds_backend_settings() -> None:
+    env = launch_env(job_of(SPEC), base={"PATH": "/bin"})
+    assert env == {
+        "PATH": "/bin",
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def test_lr_schedule_warms_up_decays_and_resumes_at_any_step() -> None:
+    import torch
+
+    cfg = OptimizerConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
+    assert [lr_factor(i, 2, 10, 0.1) for i in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_factor(10, 2, 10, 0.1) == pytest.approx(0.1)
+    optimizer = build_optimizer(torch.nn.Linear(4, 4), cfg)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [cfg.weight_decay, 0.0]  # matrix, bias
+    scheduler = build_scheduler(optimizer, cfg, total_steps=10)
+    continuous = []
+    for _ in range(6):
+        continuous.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    resumed = build_optimizer(torch.nn.Linear(4, 4), cfg)
+    build_scheduler(resumed, cfg, total_steps=10, steps_done=5)
+    assert resumed.param_groups[0]["lr"] == continuous[5]
+
+
+def test_metrics_writer_drops_steps_after_the_resumed_one(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    with MetricsWriter(path, resumed_step=0, enabled=True) as writer:
+        for step in range(1, 6):
+            writer.write({"step": step})
+    with path.open("a") as torn:
+        torn.write('{"step": 6, "lo')  # a writer killed mid-line
+    with MetricsWriter(path, resumed_step=3, enabled=True) as writer:
+        writer.write({"step": 4})
+    assert [line["step"] for line in read_metrics(path)] == [1, 2, 3, 4]
+    MetricsWriter(tmp_path / "other.jsonl", resumed_step=0, enabled=False).write({"step": 1})
+    assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_watchdog_ends_a_hung_process_with_the_hang_code() -> None:
+    code = (
+        "import time\nfrom trainer.watchdog import StepWatchdog\nwith StepWatchdog(0.5, rank=1) as w:\n"
+        "    w.arm(7)\n    time.sleep(60)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_HANG
+    assert "[rank 1] step 7 hung" in done.stderr

@@ -1,0 +1,88 @@
+"""Checkpoint validation: integrity, resharded loading in a separate process group, verdict in the manifest.
+
+One torchrun launch: a checkpoint saved by one process is validated by loading it into two.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist.ckpt_common import JOB, TOKENS_PER_STEP, Trainee
+from trainer.checkpoint import CheckpointManager, CheckpointMismatch, CheckpointStoreError, read_manifest
+from trainer.checkpoint.validate import load_and_check, validate_checkpoint
+from trainer.config import CheckpointConfig, JobConfig
+
+
+def save_steps(url: Path, steps: int) -> CheckpointManager:
+    trainee = Trainee(world=1, rank=0)
+    manager = CheckpointManager(str(url), CheckpointConfig(mode="sync"), 1, JOB.model_fingerprint(), 1, 0, {})
+    for step in range(1, steps + 1):
+        trainee.step()
+        manager.maybe_save(step, trainee.state(), {"tokens": step * TOKENS_PER_STEP})
+    return manager
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    url = tmp_path_factory.mktemp("validate") / "ckpt"
+    save_steps(url, 2).close()
+    return url
+
+
+@pytest.fixture
+def copy(checkpoints: Path, tmp_path: Path) -> Path:
+    shutil.copytree(checkpoints, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.dist
+def test_valid_checkpoint_is_loaded_by_another_world_size_and_marked_validated(copy: Path) -> None:
+    result = validate_checkpoint(str(copy / "step-000002"), JOB, world_size=1)
+    assert (result.status, result.reason) == ("validated", "")
+    # Saved by one process, so it was loaded (resharded) by two under torchrun.
+    assert (result.saved_world_size, result.loaded_world_size) == (1, 2)
+    manifest = read_manifest(str(copy / "step-000002"))
+    assert manifest.status == "validated"
+    latest = CheckpointManager(str(copy), CheckpointConfig(), 1, JOB.model_fingerprint(), 1, 0, {}).latest()
+    assert (latest.step, latest.status) == (2, "validated")
+
+
+def test_flipped_byte_marks_corrupt_and_latest_falls_back(copy: Path) -> None:
+    shard = copy / "step-000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    result = validate_checkpoint(str(copy / "step-000002"), JOB)
+    assert result.status == "corrupt"
+    assert result.reason == "sha256 mismatch: __0_0.distcp"
+    manifest = read_manifest(str(copy / "step-000002"))
+    assert (manifest.status, manifest.reason) == ("corrupt", result.reason)
+    manager = CheckpointManager(str(copy), CheckpointConfig(), 1, JOB.model_fingerprint(), 1, 0, {})
+    assert manager.latest().step == 1
+
+
+def test_non_finite_weights_fail_the_load_check(tmp_path: Path) -> None:
+    trainee = Trainee(world=1, rank=0)
+    with torch.no_grad():
+        trainee.model.norm.weight[0] = float("nan")
+    manager = CheckpointManager(
+        str(tmp_path), CheckpointConfig(mode="sync"), 1, JOB.model_fingerprint(), 1, 0, {}
+    )
+    manager.maybe_save(1, trainee.state(), {"tokens": 0})
+    verdict = load_and_check(str(tmp_path / "step-000001"))
+    assert not verdict["ok"]
+    assert verdict["reason"] == "non-finite values in 1 tensors, e.g. app.model.norm.weight"
+
+
+def test_other_model_and_partial_writes_are_refused(copy: Path) -> None:
+    other = JobConfig.model_validate({**JOB.model_dump(), "model": {**JOB.model.model_dump(), "dim": 64}})
+    with pytest.raises(CheckpointMismatch, match="step-000002 holds model"):
+        validate_checkpoint(str(copy / "step-000002"), other)
+    (copy / "step-000002" / "tessera.json").unlink()
+    with pytest.raises(CheckpointStoreError, match=r"step-000002 has no tessera\.json manifest"):
+        validate_checkpoint(str(copy / "step-000002"), JOB)

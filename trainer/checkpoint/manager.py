@@ -1,0 +1,268 @@
+"""When to save, how (sync / async thread / async process), committing, resuming and retention.
+
+A save writes DCP shards into ``<url>/step-NNNNNN/``; once every rank's shards and DCP's ``.metadata``
+are written, rank 0 hashes the files and writes the ``tessera.json`` manifest (the commit), then
+applies retention. Async saves do all of that off the training thread; the next save (or ``close``)
+waits for it, so at most one save is ever in flight and retention never races a write.
+
+Process-mode async saves spawn a checkpoint process that re-imports ``__main__``: the entry point
+needs an ``if __name__ == "__main__":`` guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainer.checkpoint import store
+from trainer.checkpoint.errors import CheckpointMismatch
+from trainer.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    digest_files,
+    list_checkpoints,
+    read_manifest,
+    step_dir_name,
+    step_dirs,
+    write_manifest,
+)
+from trainer.checkpoint.state import ModelOptimizerState, RNGState
+from trainer.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """One per training process; every method except ``latest`` is collective across ranks."""
+
+    def __init__(
+        self,
+        url: str,
+        cfg: CheckpointConfig,
+        interval_steps: int,
+        model_fingerprint: str,
+        world_size: int,
+        rank: int,
+        layout: dict[str, Any],
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.cfg = cfg
+        self.interval_steps = interval_steps
+        self.model_fingerprint = model_fingerprint
+        self.world_size = world_size
+        self.rank = rank
+        self.layout = layout
+        # Seconds checkpointing blocked the caller since the previous maybe_save: this call, plus any
+        # optimizer step that waited for a background copy (summing it over steps gives the total).
+        self.last_stall_s = 0.0
+        self._hook_stall_s = 0.0
+        store.open_url(self.url)  # fail now, naming the URL, rather than at the first save
+        if rank == 0:
+            store.ensure_dir(self.url)
+        self._distributed = dist.is_available() and dist.is_initialized()
+        # An async save runs collectives from a background thread; its own gloo group keeps them from
+        # interleaving with the training step's collectives on the default group.
+        self._pg = dist.new_group(backend="gloo") if self._distributed and cfg.mode != "sync" else None
+        self._stager = _stager(cfg.mode)
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        self._staging: Future | None = None
+        self._upload: Future | None = None
+        self._commit: Future | None = None
+        self._guarded: set[int] = set()
+
+    def latest(self) -> Manifest | None:
+        """The newest committed or validated checkpoint; partial writes and corrupt ones are skipped."""
+        good = [m for m in list_checkpoints(self.url) if m.good]
+        return good[-1] if good else None
+
+    def load(self, manifest: Manifest, state: dict[str, Stateful]) -> None:
+        """Load ``manifest``'s checkpoint into ``state`` in place, resharding to this job's layout."""
+        if manifest.model_fingerprint != self.model_fingerprint:
+            raise CheckpointMismatch(
+                f"checkpoint {manifest.url} holds model {manifest.model_fingerprint} but this job's model is "
+                f"{self.model_fingerprint}; restore the original model config or use a new checkpoint.url"
+            )
+        if manifest.world_size != self.world_size:
+            skipped = [key for key, value in state.items() if isinstance(value, RNGState)]
+            state = {key: value for key, value in state.items() if key not in skipped}
+            log.warning(
+                "world size changed %d -> %d: not restoring per-rank RNG state %s",
+                manifest.world_size,
+                self.world_size,
+                skipped,
+            )
+        dcp.load(state, storage_reader=store.storage_reader(manifest.url), no_dist=not self._distributed)
+        log.info("loaded checkpoint %s (step %d)", manifest.url, manifest.step)
+
+    def maybe_save(
+        self, step: int, state: dict[str, Stateful], meta: dict[str, Any], force: bool = False
+    ) -> None:
+        """Save at every ``interval_steps`` (or when forced); see ``last_stall_s`` for the time it blocked."""
+        start = time.perf_counter()
+        stalled_in_optimizer, self._hook_stall_s = self._hook_stall_s, 0.0
+        if not force and step % self.interval_steps:
+            self.last_stall_s = stalled_in_optimizer
+            return
+        self._wait()
+        step_url = store.join(self.url, step_dir_name(step))
+        existing = read_manifest(step_url)
+        if existing is not None and existing.good:
+            log.info("checkpoint %s already committed; not saving it again", step_url)
+            self.last_stall_s = stalled_in_optimizer + time.perf_counter() - start
+            return
+        self._clear(step_url)
+        meta = dict(meta)
+        manifest = Manifest(
+            step=step,
+            tokens=int(meta.pop("tokens", 0)),
+            model_fingerprint=self.model_fingerprint,
+            world_size=self.world_size,
+            layout=self.layout,
+            files={},
+            meta=meta,
+        )
+        writer = store.storage_writer(step_url)
+        if self.cfg.mode == "sync":
+            dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
+            if self.rank == 0:
+                self._commit_and_retain(manifest, step_url)
+        else:
+            kind = (
+                AsyncCheckpointerType.PROCESS
+                if self.cfg.mode == "async_process"
+                else AsyncCheckpointerType.THREAD
+            )
+            response = dcp.async_save(
+                state,
+                storage_writer=writer,
+                process_group=self._pg,
+                async_checkpointer_type=kind,
+                async_stager=self._stager,
+                no_dist=not self._distributed,
+            )
+            self._guard_optimizers(state)
+            if isinstance(response, AsyncSaveResponse):
+                self._staging, self._upload = response.staging_completion, response.upload_completion
+            else:
+                self._upload = response
+            if self.rank == 0:
+                self._commit = self._committer.submit(self._commit_after, self._upload, manifest, step_url)
+        self.last_stall_s = stalled_in_optimizer + time.perf_counter() - start
+
+    def close(self) -> None:
+        """Finish and commit any save in flight."""
+        self._wait()
+        self._committer.shutdown()
+        if self._stager is not None:
+            self._stager.close()
+
+    def _wait(self) -> None:
+        for future in (self._staging, self._upload, self._commit):
+            if future is not None:
+                future.result()
+        self._staging = self._upload = self._commit = None
+
+    def _guard_optimizers(self, state: dict[str, Stateful]) -> None:
+        """Make every optimizer step wait until the save in flight has copied the state.
+
+        Staging runs in the background so the caller only pays for it if the next optimizer step
+        (the first thing to change parameters or moments in place) comes before the copy is done.
+        """
+        for value in state.values():
+            if isinstance(value, ModelOptimizerState):
+                for optimizer in value.optimizers:
+                    if id(optimizer) not in self._guarded:
+                        optimizer.register_step_pre_hook(self._wait_for_staging)
+                        self._guarded.add(id(optimizer))
+
+    def _wait_for_staging(self, *_: Any) -> None:
+        if self._staging is not None:
+            start = time.perf_counter()
+            self._staging.result()
+            self._staging = None
+            self._hook_stall_s += time.perf_counter() - start
+
+    def _clear(self, step_url: str) -> None:
+        """Remove leftovers of an earlier attempt at this step, so they cannot mix with the new files.
+
+        Rank 0 decides; the barrier keeps every rank from writing (DCP creates the directory) before.
+        """
+        if self.rank == 0:
+            fs, path = store.open_url(step_url)
+            if fs.exists(path):
+                log.info("removing partial checkpoint %s before rewriting it", step_url)
+                fs.rm(path, recursive=True)
+        if self._distributed:
+            dist.barrier()
+
+    def _commit_after(self, upload: Future, manifest: Manifest, step_url: str) -> None:
+        upload.result()
+        self._commit_and_retain(manifest, step_url)
+
+    def _commit_and_retain(self, manifest: Manifest, step_url: str) -> None:
+        manifest.files = digest_files(step_url)
+        write_manifest(manifest, step_url)
+        log.info("committed checkpoint %s (%d files)", step_url, len(manifest.files))
+        self._retain()
+
+    def _retain(self) -> None:
+        dirs = step_dirs(self.url)
+        statuses = {
+            step: manifest.status if (manifest := read_manifest(url)) else None for step, url in dirs.items()
+        }
+        for step in steps_to_delete(statuses, self.cfg.keep_last, self.cfg.keep_every):
+            delete_checkpoint(dirs[step])
+
+
+def _stager(mode: str) -> DefaultStager | None:
+    """The host-memory copy an async save writes from, kept for the whole run.
+
+    Reusing its buffers keeps staging short: a fresh stager per save allocates (and page-faults) a
+    full copy of the state every time. Staging runs in a background thread (optimizer steps wait for
+    it, see ``_guard_optimizers``); pinned memory speeds device-to-host copies; shared memory lets a
+    checkpoint process read the copy without another one.
+    """
+    if mode == "sync":
+        return None
+    accelerator = torch.accelerator.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=accelerator,
+            use_shared_memory=mode == "async_process",
+            use_async_staging=True,
+            use_non_blocking_copy=accelerator,
+        )
+    )
+
+
+def steps_to_delete(statuses: dict[int, str | None], keep_last: int, keep_every: int | None) -> list[int]:
+    """Retention: keep the newest ``keep_last`` good checkpoints and every good multiple of ``keep_every``.
+
+    ``statuses`` maps step -> manifest status, None for a directory without a manifest (a stale partial:
+    only called between saves, so no write is in flight). Corrupt checkpoints are never kept.
+    """
+    good = sorted(step for step, status in statuses.items() if status in ("committed", "validated"))
+    keep = set(good[-keep_last:])
+    if keep_every:
+        keep.update(step for step in good if step % keep_every == 0)
+    return sorted(step for step in statuses if step not in keep)
+
+
+def delete_checkpoint(step_url: str) -> None:
+    """Manifest first: an interrupted delete leaves a partial (ignored), never a committed checkpoint
+    with files missing."""
+    fs, path = store.open_url(step_url)
+    manifest_path = store.join(path, MANIFEST_NAME)
+    if fs.exists(manifest_path):
+        fs.rm(manifest_path)
+    fs.rm(path, recursive=True)
+    log.info("deleted checkpoint %s", step_url)

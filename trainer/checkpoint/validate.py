@@ -1,0 +1,187 @@
+"""Prove a committed checkpoint is intact and loadable, then mark its manifest validated or corrupt.
+
+Checks, cheapest first: a committed manifest, every file's sha256 and size, DCP metadata, then a
+separate process group of a *different* world size than the save loads every tensor, resharded from
+the metadata alone (no model code), and checks they are finite. A corrupt checkpoint is skipped by
+``CheckpointManager.latest``, which falls back to the previous good one.
+
+The loading half runs as ``python -m trainer.checkpoint.validate STEP_URL`` (under torchrun when the
+world size is > 1) and prints one JSON line: {"ok": bool, "reason": str, "tensors": int}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.tensor as dtensor
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from trainer.checkpoint import store
+from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch, CheckpointStoreError
+from trainer.checkpoint.manifest import Manifest, digest_files, read_manifest, write_manifest
+from trainer.config import JobConfig
+
+LOAD_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class ValidationResult:
+    step_url: str
+    step: int
+    status: Literal["validated", "corrupt"]
+    reason: str
+    saved_world_size: int
+    loaded_world_size: int
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "validated"
+
+
+def validate_checkpoint(step_url: str, job: JobConfig, world_size: int = 1) -> ValidationResult:
+    """Validate one checkpoint directory and record the verdict in its manifest.
+
+    ``world_size`` is the loading world size; if it equals the saved one, 1 (or 2 for a single-process
+    save) is used instead, so resharding is always exercised.
+    """
+    start = time.perf_counter()
+    step_url = step_url.rstrip("/")
+    manifest = read_manifest(step_url)
+    if manifest is None:
+        fs, path = store.open_url(step_url)
+        what = "has no tessera.json manifest (a partial write)" if fs.exists(path) else "does not exist"
+        raise CheckpointStoreError(f"checkpoint {step_url} {what}; validate a committed checkpoint")
+    if manifest.model_fingerprint != job.model_fingerprint():
+        raise CheckpointMismatch(
+            f"checkpoint {step_url} holds model {manifest.model_fingerprint}, the job's model is "
+            f"{job.model_fingerprint()}; validate it with the job config it was saved from"
+        )
+    if world_size == manifest.world_size:
+        world_size = 2 if manifest.world_size == 1 else 1
+    reason = _integrity_problem(manifest) or _load_problem(step_url, world_size)
+    manifest.status, manifest.reason = ("corrupt", reason) if reason else ("validated", "")
+    fs, path = store.open_url(step_url)
+    if fs.exists(path):  # retention may have deleted it meanwhile: don't resurrect a lone manifest
+        write_manifest(manifest, step_url)
+    return ValidationResult(
+        step_url,
+        manifest.step,
+        manifest.status,
+        reason,
+        manifest.world_size,
+        world_size,
+        time.perf_counter() - start,
+    )
+
+
+def _integrity_problem(manifest: Manifest) -> str:
+    """'' if the files are exactly those the manifest lists, byte for byte; else what differs."""
+    if manifest.status not in ("committed", "validated"):
+        return f"manifest status is {manifest.status!r} ({manifest.reason})"
+    actual = digest_files(manifest.url)
+    missing = sorted(set(manifest.files) - set(actual))
+    if missing:
+        return f"files missing: {', '.join(missing)}"
+    changed = sorted(name for name, digest in manifest.files.items() if actual[name] != digest)
+    if changed:
+        return f"sha256 mismatch: {', '.join(changed)}"
+    try:
+        store.storage_reader(manifest.url).read_metadata()
+    except Exception as exc:
+        return f"DCP metadata unreadable: {exc}"
+    return ""
+
+
+def _load_problem(step_url: str, world_size: int) -> str:
+    """Load every tensor in a fresh process group of ``world_size``; '' if all load and are finite."""
+    module = ["-m", "trainer.checkpoint.validate", step_url]
+    launcher = (
+        [sys.executable]
+        if world_size == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+    )
+    try:
+        proc = subprocess.run([*launcher, *module], capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise CheckpointError(f"validation loader for {step_url} ran over {LOAD_TIMEOUT_S:.0f} s") from None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CheckpointError(f"validation loader for {step_url} failed (exit {proc.returncode}): {tail}")
+    verdict = json.loads(lines[-1])
+    return "" if verdict["ok"] else verdict["reason"]
+
+
+def _empty_like_saved(metadata: Metadata, mesh: DeviceMesh | None) -> dict[str, Any]:
+    """A flat state dict shaped like the checkpoint: tensors sharded on dim 0 over ``mesh`` (a layout
+    the save never had), placeholders for pickled objects."""
+    state: dict[str, Any] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            state[key] = None
+        elif mesh is None:
+            state[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        else:
+            placement = Shard(0) if len(meta.size) else Replicate()
+            state[key] = dtensor.empty(
+                meta.size, dtype=meta.properties.dtype, device_mesh=mesh, placements=[placement]
+            )
+    return state
+
+
+def _nonfinite(state: dict[str, Any]) -> list[str]:
+    """Keys of floating tensors with a NaN/inf anywhere (every rank checks its shard)."""
+    keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    bad = torch.tensor(
+        [
+            int(not torch.isfinite(state[k].to_local() if isinstance(state[k], DTensor) else state[k]).all())
+            for k in keys
+        ],
+        dtype=torch.int64,
+    )
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return [k for k, flag in zip(keys, bad.tolist(), strict=True) if flag]
+
+
+def load_and_check(step_url: str) -> dict[str, Any]:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
+    reader = store.storage_reader(step_url)
+    state = _empty_like_saved(reader.read_metadata(), mesh)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=mesh is None)
+    except Exception as exc:
+        return {"ok": False, "reason": f"load into world size {world_size} failed: {exc}".splitlines()[0]}
+    bad = _nonfinite(state)
+    if bad:
+        return {"ok": False, "reason": f"non-finite values in {len(bad)} tensors, e.g. {bad[0]}"}
+    return {"ok": True, "reason": "", "tensors": sum(isinstance(v, torch.Tensor) for v in state.values())}
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: python -m trainer.checkpoint.validate STEP_URL")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    verdict = load_and_check(argv[0])
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(json.dumps(verdict), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

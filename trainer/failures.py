@@ -1,0 +1,103 @@
+"""The exit-code contract between the trainer, torchrun and the orchestrator's retry condition.
+
+A training attempt ends in one of three ways, and only one of them deserves a retry:
+
+* ``ok`` — exit 0.
+* ``node_failure`` — the job died for reasons outside its code: a process killed by a signal
+  (OOM-killer, preemption, ``kill -9``), a lost peer or rendezvous, a collective that timed out
+  or had its connection reset, or the step watchdog firing on a hang (:data:`EXIT_HANG`).
+  Retrying resumes from the last committed checkpoint and is expected to succeed.
+* ``user_error`` — the job itself is wrong: an invalid config, a NaN loss, a checkpoint of another
+  model shape, out of memory on the first step (:data:`EXIT_USER_ERROR`), or any other Python
+  exception raised by a rank. Retrying would fail the same way, so the orchestrator fails fast.
+
+torchrun always exits 1 when a worker fails; the worker's own exit code is in the "Root Cause"
+block it prints (``exitcode  : -9 (pid: 123)  (SIGKILL)``), so classification reads the log tail.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from typing import Literal
+
+EXIT_OK = 0
+EXIT_USER_ERROR = 3  # a failure retrying cannot fix
+EXIT_HANG = 4  # the step watchdog fired: treated as a node failure
+
+FailureKind = Literal["ok", "user_error", "node_failure"]
+
+
+class UserError(Exception):
+    """A failure caused by the job's own inputs; its message names the input and the fix."""
+
+
+# Phrases that only appear when the fault lies outside the job's code: the network, a peer, the
+# rendezvous store. Matched case-insensitively against the log tail.
+NODE_FAILURE_MARKERS = (
+    "RendezvousClosedError",
+    "RendezvousTimeoutError",
+    "RendezvousConnectionError",
+    "DistNetworkError",
+    "DistStoreError",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Connection refused",  # e.g. gloo connectFullMesh to a peer that is gone
+    "Broken pipe",
+    "Timed out waiting",  # gloo collective / store timeout
+    "Watchdog caught collective operation timeout",  # NCCL
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+    "ncclSystemError",
+)
+
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n(.*?)\n=+", re.DOTALL)
+_EXIT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_MARKERS = re.compile("|".join(re.escape(m) for m in NODE_FAILURE_MARKERS), re.IGNORECASE)
+
+
+def _root_cause(log_tail: str) -> str | None:
+    """torchrun's report on the first failed worker (the last one in the tail, after restarts)."""
+    blocks = _ROOT_CAUSE.findall(log_tail)
+    return blocks[-1] if blocks else None
+
+
+def worker_exit_code(returncode: int, log_tail: str) -> int:
+    """The exit code of the first failed worker when torchrun reports one, else ``returncode``."""
+    if returncode == 0:
+        return 0
+    cause = _root_cause(log_tail)
+    code = _EXIT_CODE.search(cause) if cause else None
+    return int(code.group(1)) if code else returncode
+
+
+def killed_by_signal(code: int) -> bool:
+    """Negative codes come from Popen/torchrun; 128+N from a shell or a container runtime (137, 143)."""
+    return code < 0 or 128 < code <= 128 + max(signal.Signals)
+
+
+def classify_exit(returncode: int, log_tail: str) -> FailureKind:
+    """Classify an attempt from its exit code and the tail of its combined output.
+
+    Rules, first match wins:
+    1. exit 0 → ``ok``;
+    2. the launcher itself, or the first failed worker, was killed by a signal → ``node_failure``;
+    3. the worker exited with :data:`EXIT_HANG` → ``node_failure``;
+    4. the worker exited with :data:`EXIT_USER_ERROR` → ``user_error``;
+    5. the failure shows a lost peer, rendezvous or collective timeout → ``node_failure``;
+    6. anything else (a Python exception in a rank) → ``user_error``.
+
+    For rule 5, when the failed worker recorded its own traceback (``@record`` on the entry point),
+    only that traceback is searched: peers of a rank that raised ValueError see their connections
+    close, and those echoes must not turn a user error into a retry.
+    """
+    if returncode == 0:
+        return "ok"
+    code = worker_exit_code(returncode, log_tail)
+    if killed_by_signal(returncode) or killed_by_signal(code) or code == EXIT_HANG:
+        return "node_failure"
+    if code == EXIT_USER_ERROR:
+        return "user_error"
+    cause = _root_cause(log_tail) or ""
+    evidence = cause if "Traceback (most recent call last)" in cause else log_tail
+    return "node_failure" if _MARKERS.search(evidence) else "user_error"

@@ -1,0 +1,185 @@
+"""A Llama-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU, optional tied embeddings.
+
+Architecture only; parallelisms live in ``trainer.parallel``. Blocks sit in an ``nn.ModuleDict`` keyed
+by their global layer index, and ``tok_embeddings`` / ``norm`` / ``output`` may be ``None`` (pipeline
+stages delete what they do not own), so parameter FQNs are the same on every layout and a checkpoint
+saved on one layout loads on another.
+
+Build on ``meta`` and call :meth:`Transformer.init_weights` after materializing: every tensor is
+(re)initialized from a generator seeded by (seed, parameter FQN), so a parameter gets the same values
+whichever pipeline stage or process initializes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from trainer.config import ModelConfig
+
+# Small init for projections (GPT-2 / Llama practice); residual outputs shrink with depth so the
+# residual stream's variance at init does not grow with the number of blocks.
+INIT_STD = 0.02
+# Wrappers that prefix FQNs (activation checkpointing, torch.compile); stripped to name a parameter.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> Tensor:
+    """cos/sin of every (position, frequency) pair: [max_seq_len, head_dim // 2, 2], fp32.
+
+    Real-valued rather than complex so it works on every backend (XLA and Neuron lack complex ops).
+    """
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate adjacent channel pairs of x [B, T, H, head_dim] by position (Llama's pairing), in fp32."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs.unbind(-1)
+    cos, sin = rope[None, : x.shape[1], None].unbind(-1)
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; n_heads / n_kv_heads query heads share each key/value head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its heads' columns.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        group = q.shape[2] // k.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids [B, T] -> logits [B, T, vocab]; a pipeline stage maps hidden states or ids to either."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from the config, so never checkpointed and rebuilt by init_weights.
+        self.register_buffer("rope", rope_table(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministically (re)initialize every parameter and buffer, e.g. after ``to_empty``.
+
+        Works on plain and sharded (DTensor) parameters; a DTensor's local shard is drawn from a
+        generator seeded by its global offset, so replicas agree and the result depends only on
+        (seed, layout).
+        """
+        self.rope.copy_(
+            rope_table(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
+        )
+        for fqn, param in self.named_parameters():
+            name = canonical_fqn(fqn)
+            std = self._init_std(name)
+            if std is None:
+                param.fill_(1.0)
+            else:
+                _fill_normal(param, std, seed, name)
+
+    def _init_std(self, name: str) -> float | None:
+        """Init rule by parameter name: None means ones (norm gains)."""
+        if name.endswith("norm.weight"):
+            return None
+        if name == "tok_embeddings.weight":
+            # Untied: unit-variance embeddings (the first RMSNorm rescales anyway). Tied: the same matrix
+            # also produces logits, so use the output projection's fan-in scale.
+            return self.cfg.dim**-0.5 if self.cfg.tie_embeddings else 1.0
+        if name == "output.weight":
+            return self.cfg.dim**-0.5
+        if name.endswith(("wo.weight", "w2.weight")):
+            return INIT_STD / math.sqrt(2 * self.cfg.n_layers)
+        return INIT_STD
+
+
+def canonical_fqn(fqn: str) -> str:
+    """The parameter's name in the unwrapped model (what checkpoints use)."""
+    for prefix in WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn
+
+
+def _fill_normal(param: Tensor, std: float, seed: int, name: str) -> None:
+    """Fill param (or this rank's shard of it) with N(0, std²) values that depend only on seed and name."""
+    target, offset = param, ()
+    if isinstance(param, DTensor):
+        target = param.to_local()
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    key = f"{seed}/{name}/{tuple(offset)}".encode()
+    generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
+    # Drawn on CPU so values are identical on every device type; copied in the parameter's dtype.
+    values = torch.empty(target.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    target.copy_(values)
+
+
+def param_count(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once); works on meta-device models."""
+    return sum(p.numel() for p in model.parameters())

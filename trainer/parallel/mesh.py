@@ -1,0 +1,49 @@
+"""The device mesh every parallelism is cut from.
+
+One 4-D mesh, outermost to innermost: pipeline stages, FSDP replicas, FSDP shards, tensor parallel.
+Tensor parallelism is innermost so its chatty per-layer collectives stay between neighbouring ranks
+(the same node); pipeline's point-to-point traffic is outermost because it tolerates slow links.
+Size-1 dims are kept, so every layout exposes the same axis names and code never branches on them.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.config import ParallelConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def build_mesh(cfg: ParallelConfig, device_type: str) -> DeviceMesh:
+    """The (pp, dp_replicate, dp_shard, tp) mesh over the current process group."""
+    world = dist.get_world_size()
+    if cfg.world_size != world:
+        raise ValueError(
+            f"parallel: dp_replicate×dp_shard×tp×pp = {cfg.world_size} but torchrun started {world} processes; "
+            "make the degrees multiply to the world size"
+        )
+    return init_device_mesh(
+        device_type, (cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.tp), mesh_dim_names=MESH_DIMS
+    )
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    """Fail loudly if a mesh was not built by build_mesh: every parallelism indexes it by name."""
+    if mesh.mesh_dim_names != MESH_DIMS:
+        raise ValueError(f"expected a mesh with dims {MESH_DIMS}, got {mesh.mesh_dim_names}")
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh FSDP shards over: 2-D (HSDP) when there are replicas, else 1-D."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) of this process in the flattened replicate×shard data-parallel group."""
+    shards = mesh["dp_shard"].size()
+    rank = mesh.get_local_rank("dp_replicate") * shards + mesh.get_local_rank("dp_shard")
+    return rank, mesh["dp_replicate"].size() * shards

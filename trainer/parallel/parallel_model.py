@@ -1,0 +1,148 @@
+"""What the training loop holds: this rank's model chunks plus one fwd+bwd and one clip call.
+
+The loop never branches on the layout: ``forward_backward`` runs a pipeline schedule when pp > 1 and
+plain gradient accumulation otherwise, and both leave the gradient of the global mean token loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+
+from trainer.config import JobConfig, PipelineSchedule
+from trainer.model import Transformer, param_count
+from trainer.parallel.grad_norm import clip_grad_norm_
+from trainer.parallel.mesh import build_mesh, dp_coordinates
+from trainer.parallel.parallelize import parallelize
+from trainer.parallel.pipeline import Schedule, build_schedule, build_stages, split_stage, stage_indices
+
+# Up to here (~4 GiB fp32) every rank initializes the whole model before sharding, so all layouts
+# start from bit-identical weights. Larger models are initialized shard by shard after parallelizing
+# (deterministic per layout, never materialized whole).
+FULL_INIT_MAX_PARAMS = 2**30
+
+
+def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy over all tokens, in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model on a (pp, dp_replicate, dp_shard, tp) mesh.
+
+    parts: the model chunks this rank holds (one unless pp with virtual stages); optimizers and
+    checkpoints take these. dp_rank/dp_size: this rank's place in the flattened data-parallel group,
+    which decides its slice of every global batch (tp and pp peers share a slice).
+    """
+
+    parts: list[nn.Module]
+    mesh: DeviceMesh
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    stages: list[PipelineStage] = field(default_factory=list)
+    pp_schedule: PipelineSchedule = "1f1b"
+    _schedules: dict[int, Schedule] = field(default_factory=dict, repr=False)
+
+    def forward_backward(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
+        """Accumulate the gradient of the global-batch mean token loss; return that loss on every rank.
+
+        inputs/targets: this dp rank's [global_batch / dp, T] slice; it is split into n_microbatches.
+        """
+        if inputs.shape[0] % n_microbatches:
+            raise ValueError(
+                f"{inputs.shape[0]} local sequences do not split into {n_microbatches} micro-batches"
+            )
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        if self.stages:
+            local = self._pipeline_step(inputs, targets, n_microbatches)
+        else:
+            local = self._accumulate(inputs, targets, n_microbatches)
+        return self._global_mean(local)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Global grad norm over every rank's parameters (same on all ranks); clips to max_norm if > 0."""
+        return clip_grad_norm_(self.parts, max_norm, self._pp_group)
+
+    @property
+    def _pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh["pp"].get_group() if self.stages else None
+
+    def _accumulate(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
+        # FSDP still reduce-scatters after every micro-batch: skipping that sync
+        # (set_requires_gradient_sync) would hold whole unsharded grads for the step, the memory FSDP saves.
+        (model,) = self.parts
+        total = torch.zeros((), device=self.device)
+        for x, y in zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True):
+            loss = token_loss(model(x), y)
+            (loss / n_microbatches).backward()
+            total += loss.detach()
+        return total / n_microbatches
+
+    def _pipeline_step(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
+        if n_microbatches not in self._schedules:
+            self._schedules[n_microbatches] = build_schedule(
+                self.stages, n_microbatches, self.pp_schedule, token_loss
+            )
+        schedule = self._schedules[n_microbatches]
+        first = any(stage.is_first for stage in self.stages)
+        last = any(stage.is_last for stage in self.stages)
+        losses: list[Tensor] = []
+        schedule.step(
+            *([inputs] if first else []),
+            target=targets if last else None,
+            losses=losses if last else None,
+            return_outputs=False,
+        )
+        if not last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).mean()
+
+    def _global_mean(self, local: Tensor) -> Tensor:
+        """Average over data-parallel ranks, then hand the last pipeline stage's value to every stage."""
+        for dim in ("dp_replicate", "dp_shard"):
+            if self.mesh[dim].size() > 1:
+                dist.all_reduce(local, group=self.mesh[dim].get_group())
+        local /= self.dp_size
+        if self.stages:
+            pp = self.mesh["pp"]
+            dist.broadcast(local, group=pp.get_group(), group_src=pp.size() - 1)
+        return local
+
+
+def build_parallel_model(
+    job: JobConfig, device: torch.device, init_whole_max_params: int = FULL_INIT_MAX_PARAMS
+) -> ParallelModel:
+    """Build, initialize from job.seed, and parallelize the model per job.parallel on this rank.
+
+    Models up to init_whole_max_params are initialized whole before sharding (identical on every
+    layout); larger ones are built on ``meta`` and only this rank's shards are ever allocated.
+    """
+    cfg = job.parallel
+    mesh = build_mesh(cfg, device.type)
+    with torch.device("meta"):
+        model = Transformer(job.model, max_seq_len=job.train.seq_len)
+    init_whole = param_count(model) <= init_whole_max_params
+    if init_whole:
+        model.to_empty(device=device)
+        model.init_weights(job.seed)
+
+    n_stages = cfg.pp * cfg.pp_virtual_stages
+    indices = stage_indices(mesh.get_local_rank("pp"), cfg.pp, cfg.pp_virtual_stages)
+    chunks = [split_stage(model, index, n_stages) for index in indices] if cfg.pp > 1 else [model]
+    parts = [parallelize(chunk, mesh, cfg) for chunk in chunks]
+    if not init_whole:
+        for part in parts:
+            part.to_empty(device=device)
+            part.init_weights(job.seed)
+
+    stages = build_stages(parts, indices, n_stages, device, mesh["pp"].get_group()) if cfg.pp > 1 else []
+    dp_rank, dp_size = dp_coordinates(mesh)
+    return ParallelModel(parts, mesh, dp_rank, dp_size, device, stages, cfg.pp_schedule)

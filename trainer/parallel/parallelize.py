@@ -1,0 +1,28 @@
+"""Compose the parallelisms on one model (or pipeline stage), in torchtitan's order.
+
+TP first (it rewrites parameters into tp-sharded DTensors), then activation checkpointing and compile
+(they wrap the already-parallel blocks), FSDP last (it shards whatever parameters it finds over dp).
+FSDP is applied even when dp = 1 so that every layout has the same parameter types and mixed precision.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainer.config import ParallelConfig
+from trainer.model import Transformer
+from trainer.parallel.activation import apply_ac
+from trainer.parallel.compile import apply_compile
+from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.mesh import check_mesh, dp_mesh
+from trainer.parallel.tensor import apply_tp
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Transformer:
+    check_mesh(mesh)
+    if cfg.tp > 1:
+        apply_tp(model, mesh["tp"])
+    apply_ac(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
+    return apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision, reshard_after_forward=cfg.pp == 1)

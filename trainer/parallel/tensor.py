@@ -1,0 +1,57 @@
+"""Tensor parallelism with sequence parallelism (Megatron-style), torchtitan's plan.
+
+Attention/MLP input projections are column-wise (each rank owns whole heads / a slice of the hidden
+width), output projections row-wise; between blocks activations stay sharded along the sequence so
+norms run on 1/tp of the tokens. Embedding, norms and output are on the same tp mesh too, so after
+FSDP every parameter lives on one 2-D (dp, tp) mesh and a global grad norm is a single reduction.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from trainer.model import Transformer
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
+    """Shard model over tp_mesh in place. Sequence length must be divisible by the tp degree."""
+    edges = {}
+    if model.tok_embeddings is not None:
+        edges["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        edges["norm"] = SequenceParallel()
+    if model.output is not None:
+        # Replicated logits: the fp32 loss sees whole rows, so no loss-parallel special case.
+        edges["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, edges)
+    if model.cfg.tie_embeddings:
+        # parallelize_module distributed the two uses separately; both are Shard(0) of [vocab, dim].
+        model.output.weight = model.tok_embeddings.weight
+
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        # The second input (the RoPE table) is a plain tensor every rank holds whole.
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    return model

@@ -1,0 +1,62 @@
+"""Per-chip shapes of one layout: what each chip holds and processes, shared by every estimate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from trainer.config import Accelerator, ModelConfig, ParallelConfig, TrainConfig
+from trainer.plan.params import ParamCounts, count_params
+
+
+@dataclass(frozen=True)
+class Geometry:
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    accelerator: Accelerator  # the optimizer's default implementation differs on CPU (see memory.py)
+
+    @cached_property
+    def counts(self) -> ParamCounts:
+        return count_params(self.model)
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of activations and gathered weights: FSDP2's param_dtype."""
+        return 2 if self.parallel.mixed_precision == "bf16" else 4
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step per data-parallel rank: gradient accumulation, or the pipeline's m."""
+        return self.train.global_batch_size // (self.parallel.dp * self.train.micro_batch_size)
+
+    @property
+    def microbatch_tokens(self) -> int:
+        return self.train.micro_batch_size * self.train.seq_len
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.model.n_layers // self.parallel.pp
+
+    @property
+    def stage_params(self) -> int:
+        """Parameters of the heaviest pipeline stage (first: + embedding; last: + norm and output)."""
+        counts, layers = self.counts, self.layers_per_stage * self.counts.per_layer
+        if self.parallel.pp == 1:
+            return counts.total
+        return layers + max(counts.embedding, counts.final_norm + counts.output)
+
+    @property
+    def chip_params(self) -> float:
+        """Parameters a chip owns: its stage, split by TP (norm gains are few) and sharded by FSDP."""
+        return self.stage_params / (self.parallel.tp * self.parallel.dp_shard)
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """As ``trainer.parallel`` sets it: pipelines keep a stage gathered between a micro-batch's fwd and bwd."""
+        return self.parallel.pp == 1
+
+    @property
+    def layer_params_tp(self) -> float:
+        """One block's parameters on one TP rank: the unit FSDP all-gathers."""
+        return self.counts.per_layer / self.parallel.tp

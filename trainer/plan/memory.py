@@ -1,0 +1,178 @@
+"""Memory per chip: model states, activations and transient buffers, against the chip's HBM.
+
+Model states (ZeRO accounting, Rajbhandari et al. 2020, §3.1): mixed-precision Adam costs
+16 bytes/param — 2 (fp16 weights) + 2 (fp16 grads) + K=12 (fp32 master weights, momentum,
+variance) — replicated on every data-parallel rank, or 16/N bytes/param when all three are sharded
+over N ranks (ZeRO stage 3 = FSDP). Our trainer keeps the same 16 bytes but splits them differently,
+because FSDP2 with ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` stores the
+*sharded* parameters in fp32 (they are the master copy) and makes bf16 copies only while a layer is
+all-gathered for compute:
+
+==================  ============  ============  ========================  ==========================
+mixed_precision     params        grads         optimizer (AdamW m, v)    transient (buffers)
+==================  ============  ============  ========================  ==========================
+fp32                4 B/param     4 B/param     8 B/param                 fp32 all-gather of a layer
+bf16                4 B/param     4 B/param     8 B/param                 bf16 all-gather of a layer
+==================  ============  ============  ========================  ==========================
+
+each sharded over ``dp_shard`` and replicated over ``dp_replicate`` (HSDP), split by ``tp`` and by
+pipeline stage. The totals equal ZeRO's 16·Ψ and 16·Ψ/N_d.
+
+Peak, not sum: with one micro-batch per step, gradients are freed by ``zero_grad(set_to_none=True)``
+and reappear as activations are freed in backward, so the fwd/bwd peak is at the start of backward
+(no gradients yet); with gradient accumulation or a pipeline they live through backward. The
+optimizer step then holds all gradients plus AdamW's temporary (:func:`optimizer_temp_bytes`).
+``total`` is the larger of the two phases (see :func:`estimate_memory`).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer.plan.layout import Geometry
+
+FP32 = 4
+STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter, both precisions (see above)
+
+
+class MemoryBreakdown(BaseModel):
+    """Bytes per chip on the most loaded chip (the first pipeline stage)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float  # FSDP's unsharded params/grads and the loss's fp32 log-probs and gradients
+    optimizer_temp: float  # AdamW's temporary during the step
+    total: float  # peak over the fwd/bwd and optimizer phases (see module docstring)
+
+
+def model_state_bytes(n_params: float, shard_degree: int) -> float:
+    """Params + grads + Adam states of n_params parameters sharded over shard_degree ranks (16 B/param)."""
+    return sum(STATE_BYTES.values()) * n_params / shard_degree
+
+
+def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
+    """Bytes one block saves for backward for one micro-batch on one chip: (attention part, MLP part).
+
+    Derivation in the style of Korthikanti et al. 2022 ("Reducing Activation Recomputation", §4),
+    for *our* block (``trainer/model.py`` under torch 2.13), with s·b = T tokens per micro-batch,
+    hidden d, SwiGLU width f, a query heads, e bytes per compute element (2 bf16, 4 fp32), t = tp with
+    sequence parallelism. Each RMSNorm (computed in fp32 by torch's composite kernel) saves its input
+    upcast to fp32 (4Td), the normalized fp32 tensor its gain multiplies (4Td) and the fp32 rstd
+    (4T), all sequence-sharded under SP (/t); its e-byte output is saved by the next projections,
+    *gathered* over t (DTensor saves the all-gathered input; Megatron would re-gather instead).
+    Attention saves q, k, v — k and v repeat_interleaved to a heads, so d wide each, not the GQA
+    width — and the SDPA output, which is the wo input (4eTd/t), plus SDPA's fp32 log-sum-exp
+    (4Ta/t); flash-style SDPA never materializes the s² scores, so Korthikanti's 5as²b term is absent.
+    SwiGLU saves w1x, silu(w1x), w3x and their product (4eTf/t). Residual adds save nothing. Total:
+
+        A_layer = T·[(16d + 8 + 4a + 4ed + 4ef)/t + 2ed]
+                = sbd·(16 + 6e + 4e·f/d) + 4sb(a + 2)           (t = 1; e = 2: sbd·(28 + 8f/d))
+
+    versus Korthikanti's sbh·(34 + 5as/h) for GPT with dropout and materialized scores.
+    """
+    model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
+    d, f, a, tokens = model.dim, model.ffn_dim, model.n_heads, geo.microbatch_tokens
+    norm = tokens * ((2 * FP32 * d + FP32) / t + e * d)
+    attention = norm + tokens * (4 * e * d + FP32 * a) / t
+    mlp = norm + tokens * 4 * e * f / t
+    return attention, mlp
+
+
+def in_flight_microbatches(geo: Geometry) -> float:
+    """Micro-batches whose activations the first pipeline stage holds at its peak.
+
+    GPipe runs all m forwards first; 1F1B holds p (Narayanan et al. 2021); interleaved 1F1B with v
+    chunks holds p·(1 + (p−1)/(p·v)) stage-equivalents (Korthikanti et al. 2022, §4.2.3).
+    """
+    p, m, v = geo.parallel.pp, geo.microbatches, geo.parallel.pp_virtual_stages
+    if p == 1:
+        return 1
+    if geo.parallel.pp_schedule == "gpipe":
+        return m
+    if geo.parallel.pp_schedule == "1f1b":
+        return min(p, m)
+    return min(p + (p - 1) / v, m)
+
+
+def selective_layer_bytes(geo: Geometry) -> float:
+    """Bytes a block keeps under ``trainer.parallel.activation``'s selective policy (matmul/SDPA outputs).
+
+    The block input (eTd/t, sequence-sharded), the column-parallel matmul outputs wq, wk, wv, w1, w3
+    (e·(d + 2·d_kv + 2f)·T/t), SDPA's output and log-sum-exp (eTd/t + 4Ta/t), and the row-parallel
+    outputs of wo and w2, which are full-size partial sums before their reduce-scatter (2eTd).
+    """
+    model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
+    d, kv = model.dim, model.n_kv_heads * model.head_dim
+    sharded = e * (3 * d + 2 * kv + 2 * model.ffn_dim) + FP32 * model.n_heads
+    return geo.microbatch_tokens * (sharded / t + 2 * e * d)
+
+
+def activation_bytes(geo: Geometry) -> tuple[float, float]:
+    """(kept, recomputed): activations the first stage keeps across its in-flight micro-batches, and
+    the transient of recomputing one block in backward.
+
+    full keeps only each block's input (eTd/t); selective: see :func:`selective_layer_bytes`. Both
+    rebuild one block's activations at a time in backward.
+    """
+    attention, mlp = layer_activation_bytes(geo)
+    block_input = geo.microbatch_tokens * geo.compute_bytes * geo.model.dim / geo.parallel.tp
+    kept = {
+        "none": attention + mlp,
+        "selective": selective_layer_bytes(geo),
+        "full": block_input,
+    }[geo.parallel.activation_checkpointing]
+    recomputed = 0.0 if geo.parallel.activation_checkpointing == "none" else attention + mlp
+    return geo.layers_per_stage * kept * in_flight_microbatches(geo), recomputed
+
+
+def fsdp_buffer_bytes(geo: Geometry) -> float:
+    """FSDP2's unsharded copies: the current and the prefetched layer gathered (2·e B/param) — or the
+    whole stage when pipelining keeps it gathered (no reshard after forward) — and one layer's
+    unsharded gradient in e bytes plus its fp32 copy for the reduce-scatter."""
+    if geo.parallel.dp_shard == 1 and geo.parallel.mixed_precision == "fp32":
+        return 0.0  # nothing to gather or cast
+    e = geo.compute_bytes
+    gathered = 2 * geo.layer_params_tp if geo.reshard_after_forward else geo.stage_params / geo.parallel.tp
+    return gathered * e + geo.layer_params_tp * (e + FP32)
+
+
+def loss_buffer_bytes(geo: Geometry) -> float:
+    """The loss keeps fp32 log-probabilities for backward and creates their gradient and the logits'
+    gradient (in e): T·V·(8 + e)/t bytes, split over vocab by loss-parallel TP."""
+    per_token = 2 * FP32 + geo.compute_bytes
+    return geo.microbatch_tokens * geo.model.vocab_size * per_token / geo.parallel.tp
+
+
+def optimizer_temp_bytes(geo: Geometry) -> float:
+    """AdamW's step temporary (sqrt of the second moment). torch's default on accelerators is the foreach
+    path, one fp32 tensor list as large as the local parameters; on CPU it is the per-tensor loop, so
+    only the largest local tensor (the embedding or output matrix, or an MLP weight)."""
+    if geo.accelerator != "cpu":
+        return FP32 * geo.chip_params
+    model, par = geo.model, geo.parallel
+    return FP32 * max(model.vocab_size, model.ffn_dim, model.dim) * model.dim / (par.tp * par.dp_shard)
+
+
+def estimate_memory(geo: Geometry) -> MemoryBreakdown:
+    """Per-chip bytes. In backward the loss buffers are gone before the first block is recomputed, so
+    the fwd/bwd peak has the larger of the two on top of the kept activations and FSDP buffers."""
+    chip_params = geo.chip_params
+    states = {name: per_param * chip_params for name, per_param in STATE_BYTES.items()}
+    kept, recomputed = activation_bytes(geo)
+    fsdp, loss = fsdp_buffer_bytes(geo), loss_buffer_bytes(geo)
+    optimizer_temp = optimizer_temp_bytes(geo)
+    grads_live_in_backward = geo.microbatches > 1 or geo.parallel.pp > 1
+    fwd_bwd = kept + fsdp + max(loss, recomputed) + (states["grads"] if grads_live_in_backward else 0.0)
+    step = states["grads"] + optimizer_temp
+    total = states["params"] + states["optimizer"] + max(fwd_bwd, step)
+    return MemoryBreakdown(
+        **states,
+        activations=kept + recomputed,
+        buffers=fsdp + loss,
+        optimizer_temp=optimizer_temp,
+        total=total,
+    )

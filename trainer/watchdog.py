@@ -1,0 +1,61 @@
+"""The step watchdog: turn a silent hang into a fast, classifiable node failure.
+
+A rank stuck in a collective behind a dead or wedged peer waits for the process-group timeout
+(minutes) or forever. The watchdog bounds each step instead: past ``faults.step_timeout_s`` it says
+which step hung and ends the process with :data:`EXIT_HANG`, so torchrun restarts the group and
+the orchestrator retries it as a node failure. ``os._exit`` because the main thread is blocked and
+cannot unwind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from types import TracebackType
+
+from trainer.failures import EXIT_HANG
+
+
+class StepWatchdog:
+    def __init__(self, timeout_s: float, rank: int) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._step = 0
+        self._deadline: float | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
+
+    def __enter__(self) -> StepWatchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def arm(self, step: int) -> None:
+        with self._lock:
+            self._step, self._deadline = step, time.monotonic() + self.timeout_s
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._deadline = None
+
+    def _watch(self) -> None:
+        poll_s = min(1.0, self.timeout_s / 10)
+        while not self._stopped.wait(poll_s):
+            with self._lock:
+                hung = self._deadline is not None and time.monotonic() > self._deadline
+                step = self._step
+            if hung:
+                print(
+                    f"[rank {self.rank}] step {step} hung: no progress for faults.step_timeout_s="
+                    f"{self.timeout_s:g}s; exiting with code {EXIT_HANG} (node failure) so the job "
+                    "restarts from the last checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(EXIT_HANG)
