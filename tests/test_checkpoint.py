@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist.ckpt_common import JOB, TOKENS_PER_STEP, Trainee
+from tests.torchrun import run_torchrun
 from trainer.checkpoint import (
     CheckpointManager,
     CheckpointMismatch,
@@ -34,23 +33,7 @@ FINGERPRINT = JOB.model_fingerprint()
 
 
 def torchrun(module: str, nproc: int, out: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            module,
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_torchrun(["-m", module, str(out)], nproc)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,6 @@ start-up and oversubscription; pp×tp and dp×tp are each covered on 4 ranks.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.torchrun import run_torchrun
 from trainer.config import ModelConfig
 from trainer.model import Transformer, canonical_fqn
 from trainer.parallel import apply_ac, apply_compile, token_loss
@@ -34,22 +32,7 @@ BF16_RTOL = 1e-2
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("parallel") / "curves.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=4",
-        "-m",
-        WORKER,
-        str(out),
-    ]
-    # One intra-op thread per rank: 4 ranks share 2 cores.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    )
+    run_torchrun(["-m", WORKER, str(out)], nproc=4)
     return json.loads(out.read_text())
 
 

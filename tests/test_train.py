@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from deployments.spec import TrainingSpec
+from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
 from trainer.config import JobConfig, OptimizerConfig
 from trainer.failures import EXIT_HANG, classify_exit, worker_exit_code
@@ -96,21 +97,10 @@ def scenarios(hung_run: tuple[Path, LaunchResult]) -> tuple[Path, dict[str, str 
     job = job_of(SPEC)
     job_json, result_json = base / "job.json", base / "scenarios.json"
     job_json.write_text(job.model_dump_json())
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(REPO / "tests" / "dist" / "train_scenarios.py"),
-        str(job_json),
-        str(base),
-        str(result_json),
-    ]
-    done = subprocess.run(
-        cmd, cwd=REPO, env=launch_env(job), capture_output=True, text=True, timeout=TIMEOUT_S
+    run_torchrun(
+        [str(REPO / "tests" / "dist" / "train_scenarios.py"), str(job_json), str(base), str(result_json)],
+        nproc=2, env=launch_env(job), timeout_s=TIMEOUT_S,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return base, json.loads(result_json.read_text())
 
 
