@@ -40,6 +40,14 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
+# The fault-injection suite; each fault test records its measured row, rendered into
+# benchmarks/results/faults.{json,md} even when a test fails (the table then shows it).
+FAULT_ROWS := runs/faults_rows.jsonl
+faults: $(STAMP)
+	rm -f $(FAULT_ROWS)
+	TESSERA_FAULT_REPORT=$(FAULT_ROWS) $(BIN)/python -m pytest -m fault $(PYTEST_ARGS); rc=$$?; \
+	  $(BIN)/python -m benchmarks.faults_report $(FAULT_ROWS) && exit $$rc
+
 # A local Prefect server with its UI on 127.0.0.1:4200, the work pools and every deployment of
 # prefect.yaml registered, and a worker for tessera-cpu in the foreground; Ctrl-C stops both.
 UI_API := http://127.0.0.1:4200/api

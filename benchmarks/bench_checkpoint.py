@@ -10,7 +10,6 @@ Run: ``python -m benchmarks.bench_checkpoint`` (writes benchmarks/results/checkp
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import Goal, Headline, main
 from trainer.checkpoint import CheckpointManager, ModelOptimizerState
 from trainer.config import CheckpointConfig, ModelConfig
 from trainer.model import Transformer
@@ -26,6 +26,9 @@ from trainer.model import Transformer
 SEQ_LEN = 128
 SAVES = 3
 INTERVAL = 2
+HEADLINE = Headline(
+    ratio="ratio", baseline="synchronous save (mean stall per checkpoint)", goal=Goal("ratio", "<=", 0.1)
+)
 
 
 def bench_mode(mode: str, directory: str) -> dict[str, float]:
@@ -75,8 +78,4 @@ def run() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    output = run()
-    path = Path(__file__).parent / "results" / "checkpoint.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(output, indent=2))
-    print(json.dumps(output, indent=2))
+    main("checkpoint", run)

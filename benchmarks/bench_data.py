@@ -11,7 +11,6 @@ Run: ``python -m benchmarks.bench_data`` (writes benchmarks/results/data.json).
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from benchmarks.common import Goal, Headline, main
 from trainer.config import DataConfig, JobConfig, ModelConfig, TrainConfig
 from trainer.data import build_loader, read_manifest
 from trainer.data.corpus import load_corpus
@@ -31,6 +31,11 @@ GLOBAL_BATCH = 16
 LOADER_STEPS = 200
 MODEL_STEPS = 2
 REPEATS = 2
+HEADLINE = Headline(
+    ratio="prepare_vs_raw_encode",
+    baseline="raw tokenizers encode_batch tokens/s",
+    goal=Goal("prepare_vs_raw_encode", ">=", 0.8),
+)
 
 
 def bench_prepare(output_url: str, model: ModelConfig) -> tuple[dict[str, float], str]:
@@ -100,8 +105,4 @@ def run() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    output = run()
-    path = Path(__file__).parent / "results" / "data.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(output, indent=2))
-    print(json.dumps(output, indent=2))
+    main("data", run)

@@ -13,7 +13,6 @@ Run: ``python -m benchmarks.bench_orchestration`` (writes benchmarks/results/orc
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -21,10 +20,16 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.common import Goal, Headline, main
 from deployments.spec import SPEC_DIR, TrainingSpec, parse_spec
 
 STEPS = 6
 INTERVAL = 3
+HEADLINE = Headline(
+    ratio="pipeline_vs_direct",
+    baseline="the same library calls without Prefect (wall time)",
+    goal=Goal("overhead_s", "<=", 5),
+)
 
 
 def tiny_spec(root: Path, name: str) -> TrainingSpec:
@@ -105,8 +110,4 @@ def run() -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    output = run()
-    path = Path(__file__).parent / "results" / "orchestration.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(output, indent=2))
-    print(json.dumps(output, indent=2))
+    main("orchestration", run)

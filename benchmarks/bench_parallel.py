@@ -15,20 +15,23 @@ Run: ``python -m benchmarks.bench_parallel`` (writes benchmarks/results/parallel
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.common import Goal, Headline, main
 from trainer.config import ActivationCheckpointing, ModelConfig
 from trainer.model import Transformer
 from trainer.parallel import apply_ac, token_loss
 
 SEQ_LEN, BATCH, REPEATS = 128, 2, 3
-RESULTS = Path(__file__).parent / "results" / "parallel.json"
+HEADLINE = Headline(
+    ratio="full.flops_ratio",
+    baseline="forward+backward FLOPs without activation checkpointing",
+    goal=Goal("full.flops_ratio", "<", 4 / 3),
+)
 
 
 def fwd_bwd(model: Transformer, tokens: torch.Tensor) -> None:
@@ -61,7 +64,4 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    results = run()
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    main("parallel", run)

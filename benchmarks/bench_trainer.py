@@ -23,14 +23,19 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import Goal, Headline, main
 from deployments.spec import TrainingSpec
 from trainer.config import JobConfig
 from trainer.launch import launch_env, run_local
 from trainer.metrics import read_metrics
 
-RESULTS = Path(__file__).parent / "results" / "trainer.json"
 STEPS, WARMUP = 12, 3  # the first steps pay for allocator growth and lazy init on both sides
 NPROC = 2
+HEADLINE = Headline(
+    ratio="ratio_dp_replicate_vs_ddp",
+    baseline="hand-written torch DDP loop (tokens/s)",
+    goal=Goal("ratio_dp_replicate_vs_ddp", ">=", 0.97),
+)
 
 SPEC: dict[str, Any] = {
     "name": "bench-trainer",
@@ -146,8 +151,6 @@ def run() -> dict[str, Any]:
         "ratio_dp_shard_vs_ddp": round(trainer_fsdp / ddp, 3),
         "goal_ratio": 0.97,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -155,4 +158,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--ddp-worker"]:
         ddp_worker(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
-        print(json.dumps(run(), indent=2))
+        main("trainer", run)

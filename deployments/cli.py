@@ -18,9 +18,12 @@ from deployments.spec import SpecError, TrainingSpec, load_spec
 
 app = typer.Typer(
     help="Train large transformers across many accelerators, driven by declarative Prefect workflows.\n\n"
-    "Examples:\n\n  tessera validate deployments/specs/local-cpu.yaml\n\n"
+    "Examples:\n\n"
+    "  tessera validate deployments/specs/local-cpu.yaml\n\n"
     "  tessera plan deployments/specs/gpu-llama3-8b-h100.yaml --search\n\n"
-    "  tessera run deployments/specs/local-cpu.yaml",
+    "  tessera run deployments/specs/local-cpu.yaml\n\n"
+    "  tessera render deployments/specs/tpu-llama3-70b-v5p.yaml --out build/manifests\n\n"
+    "Run `tessera COMMAND --help` for each command's options and an example.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -51,7 +54,10 @@ def user_errors(fn: F) -> F:
 @app.command()
 @user_errors
 def validate(spec: SpecPath) -> None:
-    """Check a spec: types, cross-field layout rules and chip catalog; exit 1 with the field and fix."""
+    """Check a spec: types, cross-field layout rules and chip catalog; exit 1 with the field and fix.
+
+    Example: tessera validate deployments/specs/local-cpu.yaml
+    """
     loaded = load_spec(spec)
     typer.echo(
         f"ok: {loaded.name}: {loaded.model.preset} on {loaded.cluster.nodes}×{loaded.cluster.chips_per_node} "
@@ -67,8 +73,13 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON instead of tables.")] = False,
     search: Annotated[bool, typer.Option("--search", help="Also rank every layout that fits by step time.")] = False,
     top: Annotated[int, typer.Option(help="Layouts to show with --search.")] = 10,
+    chart: Annotated[Path | None, typer.Option(
+        help="Also draw the per-chip memory breakdown vs HBM as a PNG at this path.")] = None,
 ) -> None:
-    """Estimate memory per chip, FLOPs, communication, step time, MFU and checkpoint cadence for SPEC."""
+    """Estimate memory per chip, FLOPs, communication, step time, MFU and checkpoint cadence for SPEC.
+
+    Example: tessera plan deployments/specs/gpu-llama3-8b-h100.yaml --search --chart memory.png
+    """
     from rich.console import Console
 
     from trainer.plan import format_plan, format_search, make_plan, search_layouts
@@ -76,6 +87,10 @@ def plan(
     loaded = load_spec(spec, overrides={"allow_oversubscribe": True})  # show the plan even when it does not fit
     inputs = (loaded.model, loaded.parallel, loaded.train, loaded.cluster, loaded.checkpoint)
     estimate = make_plan(*inputs)
+    if chart is not None:
+        from trainer.plan.chart import plot_memory_breakdown
+
+        typer.echo(f"memory chart: {plot_memory_breakdown(estimate, chart)}", err=True)
     ranked = search_layouts(*inputs, top=top) if search else []
     if as_json:
         payload = estimate.model_dump(mode="json")
@@ -97,13 +112,18 @@ def train(
     nproc: Annotated[int | None, typer.Option(help="Processes on this host (default: the spec's world size).")] = None,
     data: Annotated[str | None, typer.Option(help="Prepared dataset manifest URL (default: synthetic tokens).")] = None,
 ) -> None:
-    """Train SPEC under torchrun on this host; exits with the trainer's code (0 ok, 3 user error, 4 hang)."""
+    """Train SPEC under torchrun on this host; exits with the trainer's code (0 ok, 3 user error, 4 hang).
+
+    Example: tessera train deployments/specs/local-cpu.yaml --run-dir runs/manual
+    """
     from trainer.failures import UserError as TrainerUserError
     from trainer.launch import run_local
+    from trainer.progress import StepProgress
 
     loaded = load_spec(spec)
     try:
-        result = run_local(loaded.job_config(data_url=data), run_dir, nproc)
+        with StepProgress(run_dir / "metrics.jsonl", loaded.train.steps):
+            result = run_local(loaded.job_config(data_url=data), run_dir, nproc)
     except TrainerUserError as exc:
         raise UserError(str(exc)) from None
     if result.kind != "ok":
@@ -115,22 +135,32 @@ def train(
 
 @app.command()
 def schema() -> None:
-    """Print the spec's JSON schema: what the Prefect UI renders as the run form."""
+    """Print the spec's JSON schema: what the Prefect UI renders as the run form.
+
+    Example: tessera schema > spec.schema.json
+    """
     typer.echo(json.dumps(TrainingSpec.model_json_schema(), indent=2))
 
 
 @app.command()
 @user_errors
 def run(spec: SpecPath) -> None:
-    """Run the whole pipeline in this process (Prefect's local server, no account); print where results are."""
+    """Run the whole pipeline in this process (Prefect's local server, no account); print where results are.
+
+    Shows progress bars (tokenize, shard, training steps) in a terminal; none under CI or in logs.
+
+    Example: tessera run deployments/specs/local-cpu.yaml
+    """
     # A busy laptop can take longer than Prefect's 20 s default to start the temporary server.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.pipeline import train_pipeline
     from tasks.paths import run_dir
+    from trainer.progress import StepProgress
 
     loaded = load_spec(spec)
-    final = train_pipeline(loaded)
     directory = run_dir(loaded)
+    with StepProgress(directory / "metrics.jsonl", loaded.train.steps):
+        final = train_pipeline(loaded)
     typer.echo(f"\nfinal checkpoint: {final}\nrun dir:          {directory}  (metrics.jsonl, loss.png, evals/, "
                f"report.md)\nartifacts:        prefect artifact ls  (keys {loaded.name}-plan, -progress, -eval, "
                "-loss-curve, -report)")
@@ -144,7 +174,10 @@ def render(
     data_url: Annotated[str | None, typer.Option(
         help="Prepared dataset manifest URL for the job (the pipeline fills it after prepare-data).")] = None,
 ) -> None:
-    """Dry run of provisioning: render SPEC's Kubernetes training job, validate it, write it; apply nothing."""
+    """Dry run of provisioning: render SPEC's Kubernetes training job, validate it, write it; apply nothing.
+
+    Example: tessera render deployments/specs/gpu-llama3-8b-h100.yaml --out build/manifests
+    """
     from deployments.kubernetes import ManifestError, render_manifests, validate_manifests, write_manifests
     from tasks.plan import job_for
 
@@ -162,7 +195,10 @@ def render(
 @app.command()
 @user_errors
 def pools() -> None:
-    """Create or update the tessera work pools (cpu: process; gpu/tpu/trainium: kubernetes) on PREFECT_API_URL."""
+    """Create or update the tessera work pools (cpu: process; gpu/tpu/trainium: kubernetes) on PREFECT_API_URL.
+
+    Example: PREFECT_API_URL=http://127.0.0.1:4200/api tessera pools
+    """
     from deployments.register import NoServer, ensure_pools
 
     try:
@@ -179,7 +215,10 @@ def deploy(
     write: Annotated[bool, typer.Option(help="Regenerate prefect.yaml from the specs first.")] = True,
     name: Annotated[list[str] | None, typer.Option(help="Only these deployments (flow-name/deployment).")] = None,
 ) -> None:
-    """Create the work pools and deploy prefect.yaml (every spec's pipeline, catch-up evaluation, nightly run)."""
+    """Create the work pools and deploy prefect.yaml (every spec's pipeline, catch-up evaluation, nightly run).
+
+    Example: PREFECT_API_URL=http://127.0.0.1:4200/api tessera deploy
+    """
     from deployments.register import PREFECT_YAML, NoServer, deploy_all, ensure_pools, render_prefect_yaml
 
     try:

@@ -18,6 +18,7 @@ from prefect.futures import PrefectFuture, wait
 from deployments.spec import EvalSpec, TrainingSpec
 from tasks.checkpoints import eval_path, evaluate_task, validate_checkpoint_task
 from tasks.data import prepare_dataset_task
+from tasks.lineage import submit_produced_by
 from tasks.paths import run_dir
 from tasks.plan import job_for, plan_task
 from tasks.provision import provisioned
@@ -35,14 +36,25 @@ def prepare_data(spec: TrainingSpec) -> str:
     return prepare_dataset_task(spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
 
 
-def submit_evaluations(job: JobConfig, spec: EvalSpec, directory: Path, skip: set[int]) -> list[EvalFuture]:
-    """validate → evaluate for each committed checkpoint not in ``skip`` (which it extends)."""
+def submit_evaluations(
+    job: JobConfig, spec: EvalSpec, directory: Path, skip: set[int], training: PrefectFuture[str] | None = None
+) -> list[EvalFuture]:
+    """validate → evaluate for each committed checkpoint not in ``skip`` (which it extends).
+
+    ``training``, the (possibly still running) train task that wrote the checkpoints, becomes
+    validate's upstream in the run graph without being waited for.
+    """
     futures = []
     for manifest in list_checkpoints(job.checkpoint.url):
         if manifest.step in skip or not manifest.good:
             continue
         skip.add(manifest.step)
-        validated = validate_checkpoint_task.submit(manifest.url, job)
+        if training is None:
+            validated = validate_checkpoint_task.submit(manifest.url, job)
+        else:
+            validated = submit_produced_by(
+                validate_checkpoint_task, training, "step_url", step_url=manifest.url, job=job
+            )
         futures.append(evaluate_task.submit(validated, job, spec, directory))
     return futures
 
@@ -68,14 +80,14 @@ def train_pipeline(spec: TrainingSpec) -> str:
     directory = run_dir(spec)
     seen: set[int] = set()
     evaluations: list[EvalFuture] = []
-    with provisioned(spec, job) as cluster:
+    with provisioned(spec, job, after=plan) as cluster:
         training = train.submit(cluster, job)
         while spec.eval.enabled and not training.state.is_final():
-            evaluations += submit_evaluations(job, spec.eval, directory, seen)
+            evaluations += submit_evaluations(job, spec.eval, directory, seen, training)
             time.sleep(spec.eval.poll_interval_s)
         final_url = training.result()
     if spec.eval.enabled:
-        evaluations += submit_evaluations(job, spec.eval, directory, seen)  # the final checkpoint
+        evaluations += submit_evaluations(job, spec.eval, directory, seen, training)  # the final checkpoint
     report_task(spec, plan, job, final_url, directory, completed(evaluations))
     return final_url
 

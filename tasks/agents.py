@@ -33,15 +33,32 @@ def start_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> subproces
     return proc
 
 
+def agent_workers(pid: int) -> list[int]:
+    """The ranks agent ``pid`` started. torchrun puts each in a session of its own, so a signal to the
+    agent's process group does not reach them (nor their data-loader workers)."""
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def kill_agent(pid: int) -> None:
+    """SIGKILL an agent's group and each of its ranks' sessions at once: what a lost node looks like."""
+    workers = agent_workers(pid)
+    for group in (pid, *workers):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+
+
 def stop_agent(proc: subprocess.Popen[str]) -> None:
-    """TERM the agent's process group, then KILL it after a grace period; no-op if it has exited."""
+    """TERM the agent (it stops its ranks), then KILL it and its ranks after a grace period."""
     if proc.poll() is not None:
         return
     os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=STOP_GRACE_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_agent(proc.pid)
         proc.wait()
 
 
@@ -62,7 +79,11 @@ def stop_recorded_agents(run_dir: Path) -> list[int]:
     alive = [pid for pid in map(int, record.read_text().split()) if _is_agent_of(pid, run_dir)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in alive:
-            if _is_agent_of(pid, run_dir):
+            if not _is_agent_of(pid, run_dir):
+                continue
+            if sig == signal.SIGKILL:
+                kill_agent(pid)
+            else:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, sig)
         deadline = time.monotonic() + STOP_GRACE_S

@@ -6,7 +6,6 @@ ones and the loss curve can be redrawn) and published as a table plus the train-
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -17,7 +16,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import task_run
 
 from deployments.spec import EvalSpec
-from tasks.curves import plot_loss_curve
+from tasks.curves import inline_png, plot_loss_curve
 from trainer.checkpoint.validate import ValidationResult, validate_checkpoint
 from trainer.config import JobConfig
 from trainer.data.loader import load_tokenizer, validation_batches
@@ -91,9 +90,8 @@ def evaluate_task(
 def publish_loss_curve(run_dir: Path, name: str) -> Path:
     """Redraw ``loss.png`` from the metrics and stored evaluations, and publish it inline."""
     path = plot_loss_curve(read_metrics(run_dir / "metrics.jsonl"), read_evals(run_dir), run_dir / "loss.png")
-    png = base64.b64encode(path.read_bytes()).decode()
     create_markdown_artifact(
-        f"![loss curve](data:image/png;base64,{png})\n\n`{path}`",
+        inline_png(path, "loss curve"),
         key=f"{name}-loss-curve",
         description="Training loss vs held-out loss per checkpoint",
     )

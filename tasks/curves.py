@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 from typing import Any
 
@@ -25,3 +26,8 @@ def plot_loss_curve(metrics: list[dict[str, Any]], evals: list[dict[str, Any]], 
     finally:
         plt.close(fig)
     return path
+
+
+def inline_png(path: Path, alt: str) -> str:
+    """Markdown showing the PNG itself (Prefect artifacts cannot link to files on a worker), then its path."""
+    return f"![{alt}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})\n\n`{path}`"

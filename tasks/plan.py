@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from deployments.spec import SpecError, TrainingSpec
+from tasks.curves import inline_png
 from tasks.paths import run_dir
 from trainer.config import JobConfig
 from trainer.plan import Plan, plan_for_job, resolve_checkpoint_interval
+from trainer.plan.chart import plot_memory_breakdown
 
 GiB = 2**30
 
@@ -31,7 +33,10 @@ def job_for(spec: TrainingSpec, data_url: str | None) -> JobConfig:
 
 @task(name="plan", tags=["plan"])
 def plan_task(spec: TrainingSpec, data_url: str | None) -> Plan:
-    """Plan ``spec`` and publish the plan as a table; refuse a job that will not fit unless allowed."""
+    """Plan ``spec``; publish it as a table and a memory chart (also ``memory.png`` in the run dir).
+
+    Refuses a job that will not fit unless the spec allows oversubscription.
+    """
     job = job_for(spec, data_url)
     plan = plan_for_job(job)
     create_table_artifact(
@@ -44,6 +49,12 @@ def plan_task(spec: TrainingSpec, data_url: str | None) -> Plan:
         ],
         key=f"{spec.name}-plan",
         description=f"Plan for {spec.name}: {spec.model.preset} on {spec.cluster.world_size} × {spec.cluster.chip}",
+    )
+    chart = plot_memory_breakdown(plan, run_dir(spec) / "memory.png")
+    create_markdown_artifact(
+        inline_png(chart, "memory per chip"),
+        key=f"{spec.name}-memory",
+        description=f"Planned memory per chip vs {spec.cluster.chip} HBM",
     )
     if not plan.fits:
         message = (

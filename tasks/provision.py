@@ -30,6 +30,7 @@ from tasks.agents import stop_recorded_agents
 from tasks.paths import run_dir
 from trainer.config import JobConfig
 from trainer.launch import write_job
+from trainer.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,10 @@ def teardown_task(cluster: Cluster) -> None:
 
 
 @contextmanager
-def provisioned(spec: TrainingSpec, job: JobConfig) -> Iterator[Cluster]:
-    cluster = provision_task(spec, job)
+def provisioned(spec: TrainingSpec, job: JobConfig, after: Plan | None = None) -> Iterator[Cluster]:
+    """Provision for the body, tear down after it. ``after`` (the plan) orders provisioning behind it
+    and draws that edge in the run graph."""
+    cluster = provision_task(spec, job, wait_for=[after] if after is not None else None)
     try:
         yield cluster
     finally:

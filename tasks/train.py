@@ -3,7 +3,9 @@
 Each attempt starts the same torchrun job, which resumes from the latest committed checkpoint, so a
 retry after a node failure loses at most one checkpoint interval. Retries are configured per spec
 (``faults.node_failure_retries``, ``faults.retry_delay_s``) with :func:`retry_on_node_failure`,
-which lets user errors (bad config, NaN loss, OOM on the first step) fail fast.
+which lets user errors (bad config, NaN loss, OOM on the first step) fail fast. Every failure
+carries the run's history (:mod:`tasks.attempts`), so the attempt that exhausts the budget says
+which faults were seen, how many steps they cost and where a new run would resume.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prefect.client.schemas.objects import State, TaskRun
 
 from deployments import kubernetes
 from tasks.agents import start_agent, stop_agent
+from tasks.attempts import publish, record_failure, summary
 from tasks.provision import Cluster
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.config import JobConfig
@@ -36,9 +39,12 @@ K8S_POLL_S = 10.0
 class TrainingFailed(RuntimeError):
     """A training attempt that exited non-zero; ``kind`` (from trainer.failures) drives retries."""
 
-    def __init__(self, kind: FailureKind, exit_code: int, log_tail: str) -> None:
+    def __init__(self, kind: FailureKind, exit_code: int, log_tail: str, history: str = "") -> None:
         last = log_tail.strip().splitlines()[-5:]
-        super().__init__(f"training failed ({kind}, worker exit code {exit_code}):\n" + "\n".join(last))
+        super().__init__(
+            f"training failed ({kind}, worker exit code {exit_code}){'; ' + history if history else ''}:\n"
+            + "\n".join(last)
+        )
         self.kind = kind
         self.exit_code = exit_code
 
@@ -62,11 +68,17 @@ class Progress:
             return
         last = records[-1]
         self.seen = last["step"]
+        slowest = (
+            f" · straggler: rank {last['slowest_rank']} ({last['host_time_max_s']:.2f}s host time, "
+            f"others {last['host_time_others_median_s']:.2f}s)"
+            if last.get("straggler")
+            else ""
+        )
         update_progress_artifact(
             self.artifact,
             100.0 * last["step"] / self.total,
             description=f"step {last['step']}/{self.total} · loss {last['loss']:.4f} · "
-            f"{last['tokens_per_s']:.0f} tokens/s",
+            f"{last['tokens_per_s']:.0f} tokens/s{slowest}",
         )
 
 
@@ -136,7 +148,10 @@ def train_task(cluster: Cluster, job: JobConfig) -> str:
     code, tail = run_local(cluster, job, progress) if cluster.kind == "local" else run_kubernetes(cluster)
     kind = classify_exit(code, tail)
     if kind != "ok":
-        raise TrainingFailed(kind, worker_exit_code(code, tail), tail)
+        exit_code = worker_exit_code(code, tail)
+        history = record_failure(cluster.run_dir, job.checkpoint.url, kind, exit_code)
+        publish(history, key=f"{job.name}-failures")
+        raise TrainingFailed(kind, exit_code, tail, summary(history))
     checkpoints = [m for m in list_checkpoints(job.checkpoint.url) if m.good]
     if not checkpoints:
         raise TrainingFailed(

@@ -5,7 +5,8 @@ A training attempt ends in one of three ways, and only one of them deserves a re
 * ``ok`` — exit 0.
 * ``node_failure`` — the job died for reasons outside its code: a process killed by a signal
   (OOM-killer, preemption, ``kill -9``), a lost peer or rendezvous, a collective that timed out
-  or had its connection reset, or the step watchdog firing on a hang (:data:`EXIT_HANG`).
+  or had its connection reset, the step watchdog firing on a hang (:data:`EXIT_HANG`), or the
+  object store / a data-loader worker failing underneath the job (:data:`EXIT_INFRA`).
   Retrying resumes from the last committed checkpoint and is expected to succeed.
 * ``user_error`` — the job itself is wrong: an invalid config, a NaN loss, a checkpoint of another
   model shape, out of memory on the first step (:data:`EXIT_USER_ERROR`), or any other Python
@@ -24,6 +25,7 @@ from typing import Literal
 EXIT_OK = 0
 EXIT_USER_ERROR = 3  # a failure retrying cannot fix
 EXIT_HANG = 4  # the step watchdog fired: treated as a node failure
+EXIT_INFRA = 5  # the store, the network or a loader worker failed under the job: a node failure
 
 FailureKind = Literal["ok", "user_error", "node_failure"]
 
@@ -49,11 +51,32 @@ NODE_FAILURE_MARKERS = (
     "NCCL communicator was aborted",
     "ncclRemoteError",
     "ncclSystemError",
+    "is killed by signal",  # torch DataLoader: a worker process was killed (OOM-killer, kill -9)
+    "exited unexpectedly",  # torch DataLoader: a worker process died
 )
 
 _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):\n(.*?)\n=+", re.DOTALL)
 _EXIT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _MARKERS = re.compile("|".join(re.escape(m) for m in NODE_FAILURE_MARKERS), re.IGNORECASE)
+
+
+def is_infra_error(error: BaseException) -> bool:
+    """True when ``error`` (or what it wraps) is the infrastructure's fault, not the job's.
+
+    A rank that catches it exits :data:`EXIT_INFRA` so the attempt is retried: a 503 or a reset
+    connection from the checkpoint store mid-save, a peer's closed gloo connection, a killed
+    data-loader worker. A missing file, a denied permission or a bad URL stay user errors.
+    """
+    from trainer.data.fs import is_transient  # here: importing trainer.data costs seconds
+
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if is_transient(current) or _MARKERS.search(str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _root_cause(log_tail: str) -> str | None:
@@ -82,7 +105,7 @@ def classify_exit(returncode: int, log_tail: str) -> FailureKind:
     Rules, first match wins:
     1. exit 0 → ``ok``;
     2. the launcher itself, or the first failed worker, was killed by a signal → ``node_failure``;
-    3. the worker exited with :data:`EXIT_HANG` → ``node_failure``;
+    3. the worker exited with :data:`EXIT_HANG` or :data:`EXIT_INFRA` → ``node_failure``;
     4. the worker exited with :data:`EXIT_USER_ERROR` → ``user_error``;
     5. the failure shows a lost peer, rendezvous or collective timeout → ``node_failure``;
     6. anything else (a Python exception in a rank) → ``user_error``.
@@ -94,7 +117,7 @@ def classify_exit(returncode: int, log_tail: str) -> FailureKind:
     if returncode == 0:
         return "ok"
     code = worker_exit_code(returncode, log_tail)
-    if killed_by_signal(returncode) or killed_by_signal(code) or code == EXIT_HANG:
+    if killed_by_signal(returncode) or killed_by_signal(code) or code in (EXIT_HANG, EXIT_INFRA):
         return "node_failure"
     if code == EXIT_USER_ERROR:
         return "user_error"

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +31,12 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     max_restarts: int = 0,
     run_id: str = "tessera",
+    entry: Sequence[str] | None = None,
 ) -> list[str]:
-    """argv for one torchrun agent; ``rdzv_endpoint`` (host:port) is required when ``nnodes > 1``."""
+    """argv for one torchrun agent; ``rdzv_endpoint`` (host:port) is required when ``nnodes > 1``.
+
+    ``entry`` replaces what the workers run (default: ``-m trainer.train --spec JOB --run-dir DIR``).
+    """
     cmd = [
         sys.executable,
         "-m",
@@ -52,7 +57,9 @@ def torchrun_command(
             f"--rdzv-endpoint={rdzv_endpoint}",
             f"--rdzv-id={run_id}",
         ]
-    return [*cmd, "-m", "trainer.train", "--spec", str(job_json), "--run-dir", str(run_dir)]
+    if entry is None:
+        entry = ["-m", "trainer.train", "--spec", str(job_json), "--run-dir", str(run_dir)]
+    return [*cmd, *entry]
 
 
 def launch_env(job: JobConfig, base: dict[str, str] | None = None) -> dict[str, str]:

@@ -11,7 +11,7 @@ Every way to run it is the same module under a launcher::
 
 Outputs in the run directory: ``metrics.jsonl`` (the loss curve), ``checkpoints/`` (unless
 ``checkpoint.url`` points elsewhere) and ``status.json`` once the last step is checkpointed.
-Exit codes follow :mod:`trainer.failures`: 0 done, 3 user error, 4 hang.
+Exit codes follow :mod:`trainer.failures`: 0 done, 3 user error, 4 hang, 5 infrastructure failure.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ from trainer.checkpoint import CheckpointError, CheckpointManager, ModelOptimize
 from trainer.config import JobConfig
 from trainer.data import build_loader
 from trainer.data.errors import DataError
-from trainer.failures import EXIT_OK, EXIT_USER_ERROR, UserError
+from trainer.failures import EXIT_INFRA, EXIT_OK, EXIT_USER_ERROR, UserError, is_infra_error
 from trainer.faults import FaultInjector
 from trainer.metrics import MetricsWriter
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import ParallelModel, build_parallel_model
 from trainer.plan import plan_for_job, resolve_checkpoint_interval
+from trainer.telemetry import gather_host_times, straggler_fields
 from trainer.watchdog import StepWatchdog
 
 log = logging.getLogger("tessera.train")
@@ -114,9 +115,11 @@ def train(job: JobConfig, run_dir: Path) -> TrainResult:
         with StepWatchdog(job.faults.step_timeout_s, rank) as watchdog, metrics:
             for step in range(start + 1, job.train.steps + 1):
                 watchdog.arm(step)
-                faults.before_step(step, rank, world)
                 began = time.perf_counter()
+                faults.before_step(step, rank, world)
                 inputs, targets = next(loader)
+                logged = step % job.train.log_every == 0 or step == job.train.steps
+                host_times = gather_host_times(time.perf_counter() - began, device) if logged else []
                 loss = _forward_backward(model, inputs, targets, n_micro, first=step == start + 1)
                 loss_value = faults.loss(step, loss).item()
                 if not math.isfinite(loss_value):
@@ -131,7 +134,7 @@ def train(job: JobConfig, run_dir: Path) -> TrainResult:
                     optimizer.zero_grad(set_to_none=True)
                     scheduler.step()
                 step_time = time.perf_counter() - began
-                if step % job.train.log_every == 0 or step == job.train.steps:
+                if logged:
                     metrics.write(
                         {
                             "step": step,
@@ -142,6 +145,7 @@ def train(job: JobConfig, run_dir: Path) -> TrainResult:
                             "tokens_per_s": tokens_per_step / step_time,
                             "step_time_s": step_time,
                             "mfu": flops_per_step / (step_time * peak_flops),
+                            **(straggler_fields(step, host_times) if rank == 0 else {}),
                         }
                     )
                 # A checkpoint write may legitimately outlast a step; the collective timeout bounds it.
@@ -207,7 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = train(load_job(args.spec), args.run_dir)
-    except (UserError, CheckpointError, DataError) as exc:
+    except Exception as exc:
+        if is_infra_error(exc):  # the store, a peer or a loader worker failed: a retry can fix it
+            print(f"error: [rank {rank}] infrastructure failure, retryable: {exc}", file=sys.stderr, flush=True)
+            return EXIT_INFRA
+        if not isinstance(exc, UserError | CheckpointError | DataError):
+            raise  # a bug: @record keeps the traceback for the launcher's report
         # One line, no traceback: the message names the input and the fix (exit code: trainer.failures).
         print(f"error: [rank {rank}] {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from trainer.checkpoint import store
+from trainer.checkpoint.errors import CheckpointStoreError
 
 MANIFEST_NAME = "tessera.json"
 FORMAT_VERSION = 1
@@ -87,6 +88,8 @@ def step_dirs(url: str) -> dict[int, str]:
         entries = fs.ls(root, detail=False)
     except FileNotFoundError:
         return {}
+    except Exception as exc:  # botocore/gcsfs errors are not OSErrors; the cause keeps them classifiable
+        raise CheckpointStoreError(f"cannot list checkpoints at {url!r}: {type(exc).__name__}: {exc}") from exc
     steps = {}
     for entry in entries:
         match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])

@@ -1,0 +1,253 @@
+"""The Prefect UI in a real browser: a user opens the pipeline's run form, edits it, submits, and
+watches the run complete with its artifacts and its graph.
+
+A ``prefect server start`` with the UI enabled on 127.0.0.1, the pools and the local-cpu pipeline
+deployment registered, a process worker, and Debian's headless Chromium driven by Playwright (never
+Playwright's own downloaded browsers). Screenshots land in ``docs/`` for the README.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import get_client
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+from prefect.client.schemas.objects import TaskRun
+from prefect.client.schemas.sorting import ArtifactSort
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from deployments.register import REPO_ROOT
+from tests.pipeline_specs import tiny_spec_dict
+from tests.prefect_server import _free_port, server_env, wait_healthy
+
+CHROMIUM = Path("/usr/bin/chromium")
+# Headless, and nothing that phones home: the CI box has no route to the internet.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+DOCS = REPO_ROOT / "docs"
+RUN_TIMEOUT_S = 300
+DEPLOYMENT = "train-pipeline/local-cpu"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.e2e,
+    pytest.mark.dist,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason=f"no Chromium at {CHROMIUM}: apt-get install chromium"),
+]
+playwright = pytest.importorskip("playwright.sync_api", reason="Playwright's Python package is not installed")
+
+
+def run_cli(env: dict[str, str], *args: str) -> None:
+    done = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            args, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A UI-enabled server with the pools, the local-cpu pipeline deployment and a worker; (UI URL, runs)."""
+    home = tmp_path_factory.mktemp("prefect-ui")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**server_env(f"{url}/api", home), "PREFECT_UI_ENABLED": "true", "PREFECT_UI_API_URL": f"{url}/api"}
+    server = start(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env,
+        home / "server.log",
+    )
+    worker = None
+    try:
+        wait_healthy(f"{url}/api", server, home / "server.log")
+        run_cli(env, sys.executable, "-m", "deployments.cli", "pools")
+        run_cli(env, sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--name", DEPLOYMENT)
+        runs = tmp_path_factory.mktemp("runs")
+        worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
+        worker = start(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "tessera-cpu", "--type", "process"],
+            worker_env,
+            home / "worker.log",
+        )
+        with temporary_settings({PREFECT_API_URL: f"{url}/api"}):
+            yield url, runs
+    finally:
+        if worker is not None:
+            stop(worker)
+            print((home / "worker.log").read_text()[-5000:])  # shown by pytest only when the test failed
+        stop(server)
+
+
+@pytest.fixture(scope="module")
+def page(ui: tuple[str, Path]) -> Iterator[Any]:
+    with playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+        finally:
+            browser.close()
+
+
+def form_field(page: Any, label: str) -> Any:
+    """The innermost schema-form property whose label is ``label`` (optional fields say so)."""
+    return page.locator(
+        f"xpath=//span[@class='schema-form-property__label' and normalize-space()='{label} (Optional)']"
+        "/ancestor::div[contains(concat(' ', @class, ' '), ' schema-form-property ')][1]"
+    )
+
+
+def parameters_menu(page: Any, item: str) -> None:
+    page.locator("xpath=//*[normalize-space()='Parameters']/following-sibling::*//button").first.click()
+    page.get_by_text(item, exact=True).click()
+
+
+def task_runs_by_name(client: SyncPrefectClient, flow_run_id: Any) -> dict[str, list[TaskRun]]:
+    runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    by_name: dict[str, list[TaskRun]] = {}
+    for run in runs:
+        task = next(n for n in ("prepare-dataset", "plan", "provision", "train", "validate", "evaluate",
+                                "report", "teardown") if run.name.startswith(n))
+        by_name.setdefault(task, []).append(run)
+    return by_name
+
+
+def upstream(run: TaskRun, name: str | None = None) -> set[Any]:
+    """Task-run ids the run's inputs (or one of them) were produced by."""
+    inputs = [run.task_inputs[name]] if name else run.task_inputs.values()
+    return {i.id for group in inputs for i in group if getattr(i, "input_type", "") == "task_run"}
+
+
+def open_choices(page: Any, field: Any, attempts: int = 3) -> None:
+    """Open a select's choice list from the keyboard (a mouse click does not, headless).
+
+    The form re-renders while its schema settles, so a key press can land on a control that is
+    about to be replaced: press again until the options are really shown.
+    """
+    for attempt in range(attempts):
+        field.locator(".p-select-button__control").focus()
+        page.keyboard.press("ArrowDown")
+        try:
+            page.get_by_role("option").first.wait_for(state="visible", timeout=5_000)
+            return
+        except playwright.TimeoutError:
+            if attempt == attempts - 1:
+                raise
+
+
+def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
+    ui: tuple[str, Path], page: Any, tmp_path: Path
+) -> None:
+    url, runs = ui
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(DEPLOYMENT)
+
+        # The spec's typed form: nested sections, defaults from the spec file, the accelerator a choice.
+        page.goto(f"{url}/deployments/deployment/{deployment.id}/run", wait_until="networkidle")
+        assert form_field(page, "Name").locator("textarea").first.input_value() == "tiny-local"
+        assert form_field(page, "Preset").locator(".p-select-button__value").inner_text() == "tiny"
+        cluster, accelerator = form_field(page, "Cluster"), form_field(page, "Accelerator")
+        assert cluster.locator(accelerator).count() == 1  # nested inside the cluster section
+        assert accelerator.locator(".p-select-button__value").inner_text() == "cpu"
+        assert form_field(page, "Chips Per Node").locator("input").input_value() == "2"
+        form_field(page, "Parallel").scroll_into_view_if_needed()
+        open_choices(page, accelerator)
+        assert set(page.get_by_role("option").all_inner_texts()) >= {"cpu", "gpu", "tpu", "trainium"}
+        page.screenshot(path=DOCS / "ui-run-form.png")
+        page.keyboard.press("Escape")
+        page.get_by_role("option").first.wait_for(state="hidden")
+
+        # A few-step spec through the JSON view, then one field edited in the form.
+        spec = tiny_spec_dict(tmp_path, "ui-json", steps=4, interval=2)
+        parameters_menu(page, "Use JSON input")
+        page.locator(".p-code-input__textarea").fill(json.dumps({"spec": spec}, indent=2))
+        parameters_menu(page, "Use form input")
+        name = form_field(page, "Name").locator("textarea").first
+        assert name.input_value() == "ui-json"
+        name.fill("ui-run")
+        page.screenshot(path=tmp_path / "before-submit.png", full_page=True)  # to diagnose a failed submit
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]{36}(\?.*)?$"))  # back to its runs
+        (submitted,) = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        )
+        flow_run_id = submitted.id
+
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (run := client.read_flow_run(flow_run_id)).state.is_final():
+            assert time.monotonic() < deadline, f"flow run still {run.state.name} after {RUN_TIMEOUT_S} s"
+            time.sleep(1)
+        assert run.state.is_completed(), run.state.message
+        assert run.parameters["spec"]["name"] == "ui-run"  # the form's edit is what ran
+        assert (runs / "ui-run" / "loss.png").exists() and (runs / "ui-run" / "memory.png").exists()
+
+        # The graph is the declared pipeline, linked by real data dependencies.
+        tasks = task_runs_by_name(client, flow_run_id)
+        (prepare,), (plan,), (provision,), (train,), (report,) = (
+            tasks[n] for n in ("prepare-dataset", "plan", "provision", "train", "report")
+        )
+        assert prepare.id in upstream(plan)
+        assert plan.id in upstream(provision, "wait_for")
+        assert provision.id in upstream(train)
+        assert len(tasks["validate"]) == len(tasks["evaluate"]) == 2
+        assert all(upstream(v, "step_url") == {train.id} for v in tasks["validate"])
+        validated_by = set().union(*(upstream(e, "validation") for e in tasks["evaluate"]))
+        assert validated_by == {v.id for v in tasks["validate"]}
+        assert {plan.id, train.id} <= upstream(report)
+        loss_curve = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["ui-run-loss-curve"])),
+            sort=ArtifactSort.CREATED_DESC,
+            limit=1,
+        )[0]
+
+    page.goto(f"{url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
+    page.get_by_text("Completed").first.wait_for()
+    page.locator("canvas").first.wait_for()
+    time.sleep(2)  # the graph animates into place
+    page.screenshot(path=DOCS / "ui-run-graph.png")
+
+    page.get_by_text("Artifacts", exact=True).click()
+    for key in ("plan", "memory", "progress", "eval", "loss-curve", "report"):
+        page.get_by_text(f"ui-run-{key}").first.wait_for()
+    # The task runs' artifact cards: the section under its heading, as one image.
+    page.get_by_text("Task runs", exact=True).locator("xpath=..").screenshot(path=DOCS / "ui-run-artifacts.png")
+
+    page.goto(f"{url}/artifacts/artifact/{loss_curve.id}", wait_until="networkidle")
+    page.locator("img[alt='loss curve']").first.wait_for()
+    page.screenshot(path=DOCS / "ui-loss-curve.png")
