@@ -43,6 +43,7 @@ def cpu_model() -> str:
 
 def git_commit() -> str:
     """HEAD, with ``-dirty`` when the tree has uncommitted changes (results then are not of HEAD alone)."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
 
@@ -117,7 +118,9 @@ def parse_only(value: str | None) -> list[str]:
     chosen = [name.strip() for name in value.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(known))
     if unknown:
-        raise SystemExit(f"error: --only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+        raise SystemExit(
+            f"error: --only: unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(known)}"
+        )
     return chosen
 
 

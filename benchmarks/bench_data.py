@@ -56,9 +56,12 @@ def bench_prepare(output_url: str, model: ModelConfig) -> tuple[dict[str, float]
     raw_s, prepare_s = min(raw_s), min(prepare_s)
     totals = read_manifest(manifest_url).totals.values()
     assert sum(t.tokens + t.tokens_dropped for t in totals) == raw_tokens
-    return {"corpus_tokens": raw_tokens, "raw_encode_tokens_per_s": raw_tokens / raw_s,
-            "prepare_tokens_per_s": raw_tokens / prepare_s,
-            "prepare_vs_raw_encode": raw_s / prepare_s}, manifest_url
+    return {
+        "corpus_tokens": raw_tokens,
+        "raw_encode_tokens_per_s": raw_tokens / raw_s,
+        "prepare_tokens_per_s": raw_tokens / prepare_s,
+        "prepare_vs_raw_encode": raw_s / prepare_s,
+    }, manifest_url
 
 
 def load_tokenizer_from(url: str) -> Tokenizer:
@@ -66,8 +69,12 @@ def load_tokenizer_from(url: str) -> Tokenizer:
 
 
 def bench_loader(manifest_url: str, model: ModelConfig) -> float:
-    job = JobConfig(data_url=manifest_url, loader_workers=1, model=model,
-                    train=TrainConfig(seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, micro_batch_size=1))
+    job = JobConfig(
+        data_url=manifest_url,
+        loader_workers=1,
+        model=model,
+        train=TrainConfig(seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, micro_batch_size=1),
+    )
     loader = build_loader(job, 0, 1)
     next(loader)  # worker start-up and the first shard fetch are not steady state
     start = time.perf_counter()
@@ -99,8 +106,13 @@ def run() -> dict[str, float]:
         loader_tps = bench_loader(manifest_url, model)
         load_tokenizer(manifest_url)
     model_tps = bench_model(model)
-    results.update(loader_tokens_per_s=loader_tps, small_model_fwd_bwd_tokens_per_s=model_tps,
-                   loader_vs_2x_model=loader_tps / (2 * model_tps), seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH)
+    results.update(
+        loader_tokens_per_s=loader_tps,
+        small_model_fwd_bwd_tokens_per_s=model_tps,
+        loader_vs_2x_model=loader_tps / (2 * model_tps),
+        seq_len=SEQ_LEN,
+        global_batch=GLOBAL_BATCH,
+    )
     return results
 
 

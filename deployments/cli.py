@@ -71,10 +71,14 @@ def validate(spec: SpecPath) -> None:
 def plan(
     spec: SpecPath,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable JSON instead of tables.")] = False,
-    search: Annotated[bool, typer.Option("--search", help="Also rank every layout that fits by step time.")] = False,
+    search: Annotated[
+        bool, typer.Option("--search", help="Also rank every layout that fits by step time.")
+    ] = False,
     top: Annotated[int, typer.Option(help="Layouts to show with --search.")] = 10,
-    chart: Annotated[Path | None, typer.Option(
-        help="Also draw the per-chip memory breakdown vs HBM as a PNG at this path.")] = None,
+    chart: Annotated[
+        Path | None,
+        typer.Option(help="Also draw the per-chip memory breakdown vs HBM as a PNG at this path."),
+    ] = None,
 ) -> None:
     """Estimate memory per chip, FLOPs, communication, step time, MFU and checkpoint cadence for SPEC.
 
@@ -84,7 +88,9 @@ def plan(
 
     from trainer.plan import format_plan, format_search, make_plan, search_layouts
 
-    loaded = load_spec(spec, overrides={"allow_oversubscribe": True})  # show the plan even when it does not fit
+    loaded = load_spec(
+        spec, overrides={"allow_oversubscribe": True}
+    )  # show the plan even when it does not fit
     inputs = (loaded.model, loaded.parallel, loaded.train, loaded.cluster, loaded.checkpoint)
     estimate = make_plan(*inputs)
     if chart is not None:
@@ -108,9 +114,15 @@ def plan(
 @user_errors
 def train(
     spec: SpecPath,
-    run_dir: Annotated[Path, typer.Option(help="Run directory: job.json, metrics.jsonl, checkpoints; reuse it to resume.")],
-    nproc: Annotated[int | None, typer.Option(help="Processes on this host (default: the spec's world size).")] = None,
-    data: Annotated[str | None, typer.Option(help="Prepared dataset manifest URL (default: synthetic tokens).")] = None,
+    run_dir: Annotated[
+        Path, typer.Option(help="Run directory: job.json, metrics.jsonl, checkpoints; reuse it to resume.")
+    ],
+    nproc: Annotated[
+        int | None, typer.Option(help="Processes on this host (default: the spec's world size).")
+    ] = None,
+    data: Annotated[
+        str | None, typer.Option(help="Prepared dataset manifest URL (default: synthetic tokens).")
+    ] = None,
 ) -> None:
     """Train SPEC under torchrun on this host; exits with the trainer's code (0 ok, 3 user error, 4 hang).
 
@@ -127,8 +139,11 @@ def train(
     except TrainerUserError as exc:
         raise UserError(str(exc)) from None
     if result.kind != "ok":
-        typer.secho(f"training failed: {result.kind.replace('_', ' ')} (worker exit code {result.worker_exit_code})",
-                    fg=typer.colors.RED, err=True)
+        typer.secho(
+            f"training failed: {result.kind.replace('_', ' ')} (worker exit code {result.worker_exit_code})",
+            fg=typer.colors.RED,
+            err=True,
+        )
     code = result.worker_exit_code
     raise typer.Exit(code if code >= 0 else 128 - code)  # killed by signal N → 128+N, as a shell reports it
 
@@ -161,9 +176,11 @@ def run(spec: SpecPath) -> None:
     directory = run_dir(loaded)
     with StepProgress(directory / "metrics.jsonl", loaded.train.steps):
         final = train_pipeline(loaded)
-    typer.echo(f"\nfinal checkpoint: {final}\nrun dir:          {directory}  (metrics.jsonl, loss.png, evals/, "
-               f"report.md)\nartifacts:        prefect artifact ls  (keys {loaded.name}-plan, -progress, -eval, "
-               "-loss-curve, -report)")
+    typer.echo(
+        f"\nfinal checkpoint: {final}\nrun dir:          {directory}  (metrics.jsonl, loss.png, evals/, "
+        f"report.md)\nartifacts:        prefect artifact ls  (keys {loaded.name}-plan, -progress, -eval, "
+        "-loss-curve, -report)"
+    )
 
 
 @app.command()
@@ -171,8 +188,12 @@ def run(spec: SpecPath) -> None:
 def render(
     spec: SpecPath,
     out: Annotated[Path, typer.Option(help="Directory for the manifests YAML.")] = Path("build/manifests"),
-    data_url: Annotated[str | None, typer.Option(
-        help="Prepared dataset manifest URL for the job (the pipeline fills it after prepare-data).")] = None,
+    data_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Prepared dataset manifest URL for the job (the pipeline fills it after prepare-data)."
+        ),
+    ] = None,
 ) -> None:
     """Dry run of provisioning: render SPEC's Kubernetes training job, validate it, write it; apply nothing.
 
@@ -183,7 +204,9 @@ def render(
 
     loaded = load_spec(spec)
     if loaded.cluster.accelerator == "cpu":
-        raise UserError(f"{spec}: cluster.accelerator=cpu runs on this host; render a gpu, tpu or trainium spec")
+        raise UserError(
+            f"{spec}: cluster.accelerator=cpu runs on this host; render a gpu, tpu or trainium spec"
+        )
     manifests = render_manifests(loaded, job_for(loaded, data_url))
     try:
         validate_manifests(manifests)
@@ -213,7 +236,9 @@ def pools() -> None:
 @user_errors
 def deploy(
     write: Annotated[bool, typer.Option(help="Regenerate prefect.yaml from the specs first.")] = True,
-    name: Annotated[list[str] | None, typer.Option(help="Only these deployments (flow-name/deployment).")] = None,
+    name: Annotated[
+        list[str] | None, typer.Option(help="Only these deployments (flow-name/deployment).")
+    ] = None,
 ) -> None:
     """Create the work pools and deploy prefect.yaml (every spec's pipeline, catch-up evaluation, nightly run).
 

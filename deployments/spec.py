@@ -96,10 +96,17 @@ class TrainingSpec(Strict):
     def job_config(self, data_url: str | None, checkpoint_interval_steps: int | None = None) -> JobConfig:
         """The part the torchrun entry point needs, as the trainer's own config."""
         return JobConfig(
-            name=self.name, seed=self.seed, model=self.model, parallel=self.parallel, train=self.train,
-            optimizer=self.optimizer, checkpoint=self.checkpoint, faults=self.faults,
+            name=self.name,
+            seed=self.seed,
+            model=self.model,
+            parallel=self.parallel,
+            train=self.train,
+            optimizer=self.optimizer,
+            checkpoint=self.checkpoint,
+            faults=self.faults,
             hardware=HardwareConfig(**self.cluster.model_dump(include=set(HardwareConfig.model_fields))),
-            data_url=data_url, loader_workers=self.data.loader_workers,
+            data_url=data_url,
+            loader_workers=self.data.loader_workers,
             checkpoint_interval_steps=checkpoint_interval_steps,
         )
 

@@ -37,7 +37,11 @@ def prepare_data(spec: TrainingSpec) -> str:
 
 
 def submit_evaluations(
-    job: JobConfig, spec: EvalSpec, directory: Path, skip: set[int], training: PrefectFuture[str] | None = None
+    job: JobConfig,
+    spec: EvalSpec,
+    directory: Path,
+    skip: set[int],
+    training: PrefectFuture[str] | None = None,
 ) -> list[EvalFuture]:
     """validate → evaluate for each committed checkpoint not in ``skip`` (which it extends).
 

@@ -43,10 +43,20 @@ def server_env(api_url: str, home: Path) -> dict[str, str]:
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``: servers and workers never outlive a test."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_healthy(api_url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -66,7 +76,7 @@ def wait_healthy(api_url: str, proc: subprocess.Popen[bytes], log: Path) -> None
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
+    port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     log = home / "server.log"
     with log.open("wb") as out:
@@ -81,9 +91,4 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_healthy(api_url, proc, log)
         yield api_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)

@@ -92,8 +92,21 @@ def _server() -> Iterator[Callable[[list[str], int, str], None]]:
 @pytest.fixture(scope="session")
 def gcs_bucket(_server: Callable[[list[str], int, str], None]) -> Iterator[str]:
     port = free_port()
-    _server([_executable("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port),
-             "--in-memory", "--default-bucket", BUCKET], port, "gcp-storage-emulator")
+    _server(
+        [
+            _executable("gcp-storage-emulator"),
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--in-memory",
+            "--default-bucket",
+            BUCKET,
+        ],
+        port,
+        "gcp-storage-emulator",
+    )
     with pytest.MonkeyPatch.context() as env:
         env.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
         env.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -164,7 +177,9 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.wfile.write(payload)
             return
         upstream = http.client.HTTPConnection(*self.server.upstream, timeout=30)
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")}
+        headers = {
+            k: v for k, v in self.headers.items() if k.lower() not in ("connection", "transfer-encoding")
+        }
         upstream.request(self.command, self.path, body=body, headers=headers)
         response = upstream.getresponse()
         data = response.read()

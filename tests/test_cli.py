@@ -12,7 +12,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tessera(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deployments.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "deployments.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -28,14 +28,23 @@ VOCAB, SEQ = 512, 32
 
 
 def generated(tmp_path: Path, **overrides: object) -> DataConfig:
-    return DataConfig(source="generated", output_url=str(tmp_path / "data"), samples_per_shard=40,
-                      max_documents=120, **overrides)
+    return DataConfig(
+        source="generated",
+        output_url=str(tmp_path / "data"),
+        samples_per_shard=40,
+        max_documents=120,
+        **overrides,
+    )
 
 
 def job(manifest_url: str | None, batch: int = 8, workers: int = 0, seed: int = 3) -> JobConfig:
-    return JobConfig(seed=seed, data_url=manifest_url, loader_workers=workers,
-                     model=ModelConfig(preset="tiny", vocab_size=VOCAB),
-                     train=TrainConfig(seq_len=SEQ, global_batch_size=batch, micro_batch_size=1))
+    return JobConfig(
+        seed=seed,
+        data_url=manifest_url,
+        loader_workers=workers,
+        model=ModelConfig(preset="tiny", vocab_size=VOCAB),
+        train=TrainConfig(seq_len=SEQ, global_batch_size=batch, micro_batch_size=1),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +54,12 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def stored_rows(manifest_url: str, split: str = "train") -> np.ndarray:
     manifest = read_manifest(manifest_url)
-    return np.concatenate([fetch_shard(manifest.url_of(s.name), s, manifest.dtype, manifest.sample_len)
-                           for s in manifest.split_shards(split)])
+    return np.concatenate(
+        [
+            fetch_shard(manifest.url_of(s.name), s, manifest.dtype, manifest.sample_len)
+            for s in manifest.split_shards(split)
+        ]
+    )
 
 
 def test_prepare_writes_consistent_shards_and_manifest(dataset: str) -> None:
@@ -98,13 +111,21 @@ def test_validation_split_is_disjoint_by_document(tmp_path: Path) -> None:
     with corpus.open("w") as f:
         for i in range(60):
             f.write(json.dumps({"body": f"<d{i:03d}> " + " ".join(["alpha beta gamma"] * 8), "n": i}) + "\n")
-    cfg = DataConfig(source="files", paths=[str(corpus)], text_field="body", output_url=str(tmp_path / "out"),
-                     validation_fraction=0.2, samples_per_shard=16)
+    cfg = DataConfig(
+        source="files",
+        paths=[str(corpus)],
+        text_field="body",
+        output_url=str(tmp_path / "out"),
+        validation_fraction=0.2,
+        samples_per_shard=16,
+    )
     url = prepare_dataset(cfg, 300, 16, seed=5)
     tokenizer = load_tokenizer(url)
 
     def documents(rows: np.ndarray) -> set[str]:
-        return set(re.findall(r"<d\d{3}>", tokenizer.decode(rows.ravel().tolist(), skip_special_tokens=False)))
+        return set(
+            re.findall(r"<d\d{3}>", tokenizer.decode(rows.ravel().tolist(), skip_special_tokens=False))
+        )
 
     train_docs, val_docs = documents(stored_rows(url)), documents(stored_rows(url, "val"))
     assert len(val_docs) >= 10 and len(train_docs) >= 45
@@ -171,8 +192,13 @@ def test_validation_batches_and_loader_checks(dataset: str) -> None:
     assert len(first) == 2 and first[0].shape == (4, SEQ)
     assert all(torch.equal(a, b[0]) for a, b in zip(first, validation_batches(dataset, 4, 2), strict=True))
     with pytest.raises(DataError, match="seq_len"):
-        build_loader(job(dataset).model_copy(update={"train": TrainConfig(seq_len=64, global_batch_size=8,
-                                                                          micro_batch_size=1)}), 0, 1)
+        build_loader(
+            job(dataset).model_copy(
+                update={"train": TrainConfig(seq_len=64, global_batch_size=8, micro_batch_size=1)}
+            ),
+            0,
+            1,
+        )
     with pytest.raises(DataError, match="global_batch_size"):
         build_loader(job(dataset), 0, 3)
 
@@ -199,14 +225,19 @@ def bad_files(tmp_path: Path, name: str, content: bytes, **overrides: object) ->
     return DataConfig(source="files", paths=[str(path)], output_url=str(tmp_path / "out"), **overrides)
 
 
-@pytest.mark.parametrize(("name", "content", "overrides", "message"), [
-    ("empty.txt", b"", {}, "has no text"),
-    ("blob.parquet", b"\x00\x01not parquet at all" * 10, {}, r"could not read .*blob.parquet"),
-    ("blob.bin", b"\x00\x01", {}, r"cannot tell the format of .*blob.bin"),
-    ("rows.jsonl", b'{"content": "hello"}\n', {}, r"data.text_field='text' is not a column"),
-    ("tiny.txt", b"just a few words", {}, r"fewer than one sample of train.seq_len\+1"),
-])
-def test_bad_inputs_are_clear_errors(tmp_path: Path, name: str, content: bytes, overrides: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "content", "overrides", "message"),
+    [
+        ("empty.txt", b"", {}, "has no text"),
+        ("blob.parquet", b"\x00\x01not parquet at all" * 10, {}, r"could not read .*blob.parquet"),
+        ("blob.bin", b"\x00\x01", {}, r"cannot tell the format of .*blob.bin"),
+        ("rows.jsonl", b'{"content": "hello"}\n', {}, r"data.text_field='text' is not a column"),
+        ("tiny.txt", b"just a few words", {}, r"fewer than one sample of train.seq_len\+1"),
+    ],
+)
+def test_bad_inputs_are_clear_errors(
+    tmp_path: Path, name: str, content: bytes, overrides: dict, message: str
+) -> None:
     cfg = bad_files(tmp_path, name, content, validation_fraction=0.0, **overrides)
     with pytest.raises(DataError, match=message):
         prepare_dataset(cfg, VOCAB, 64, seed=0)
@@ -215,7 +246,9 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, name: str, content: bytes, 
 
 def test_missing_paths_and_unwritable_output(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"nothing-here\*.txt' matches no files"):
-        prepare_dataset(DataConfig(source="files", paths=[str(tmp_path / "nothing-here*.txt")]), VOCAB, SEQ, 0)
+        prepare_dataset(
+            DataConfig(source="files", paths=[str(tmp_path / "nothing-here*.txt")]), VOCAB, SEQ, 0
+        )
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(DataError, match=r"data.output_url=.*a-file/data.* is not writable"):

@@ -21,8 +21,12 @@ def round_trip(cfg: DataConfig) -> list[torch.Tensor]:
     """Prepare, then read back the first steps of the train order and one val batch."""
     url = prepare_dataset(cfg, VOCAB, SEQ, seed=0)
     assert url.startswith(cfg.output_url) and read_manifest(url).totals["train"].shards > 1
-    job = JobConfig(data_url=url, loader_workers=1, model=ModelConfig(vocab_size=VOCAB),
-                    train=TrainConfig(seq_len=SEQ, global_batch_size=8, micro_batch_size=1))
+    job = JobConfig(
+        data_url=url,
+        loader_workers=1,
+        model=ModelConfig(vocab_size=VOCAB),
+        train=TrainConfig(seq_len=SEQ, global_batch_size=8, micro_batch_size=1),
+    )
     loader = build_loader(job, 0, 1)
     batches = [next(loader)[0] for _ in range(6)]
     loader.close()
@@ -54,7 +58,9 @@ def test_s3_corpus_and_output(s3_bucket: str, local_reference: list[torch.Tensor
     # A JSONL corpus on s3:// is read through datasets + s3fs.
     corpus = f"{s3_bucket}/corpus/docs.jsonl"
     with fsspec.open(corpus, "w") as f:
-        f.writelines(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor " * 20}) + "\n" for i in range(40))
+        f.writelines(
+            json.dumps({"text": f"document {i}: " + "lorem ipsum dolor " * 20}) + "\n" for i in range(40)
+        )
     cfg = DataConfig(source="files", paths=[corpus], output_url=f"{s3_bucket}/from-s3", samples_per_shard=30)
     manifest = read_manifest(prepare_dataset(cfg, VOCAB, SEQ, seed=0))
     assert manifest.totals["train"].documents + manifest.totals["val"].documents == 40

@@ -87,7 +87,9 @@ def test_tessera_command(args: list[str], tmp_path: Path) -> None:
         assert option in help_text.output, f"README: tessera {command} has no option {option}"
     if command not in RUN_FOR_REAL:
         return
-    real = [str(tmp_path / Path(a).name) if i and args[i - 1] in OUTPUT_OPTIONS else a for i, a in enumerate(args)]
+    real = [
+        str(tmp_path / Path(a).name) if i and args[i - 1] in OUTPUT_OPTIONS else a for i, a in enumerate(args)
+    ]
     result = runner.invoke(app, real)
     assert result.exit_code == 0, f"README: `tessera {shlex.join(args)}` failed:\n{result.output}"
     for i, option in enumerate(args):
@@ -96,8 +98,12 @@ def test_tessera_command(args: list[str], tmp_path: Path) -> None:
 
 
 def test_python_modules_take_the_readmes_arguments() -> None:
-    markers = {m.split(":")[0] for m in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-               ["tool"]["pytest"]["ini_options"]["markers"]}
+    markers = {
+        m.split(":")[0]
+        for m in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+            "markers"
+        ]
+    }
     for argv in by_program(".venv/bin/python"):
         assert argv[1] == "-m", argv
         module, args = argv[2], argv[3:]

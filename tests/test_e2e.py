@@ -25,7 +25,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.register import REPO_ROOT
 from tests.pipeline_specs import tiny_spec_dict
-from tests.prefect_server import server_env
+from tests.prefect_server import server_env, stop_process
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.data.manifest import read_manifest
 
@@ -81,12 +81,7 @@ def deployed(
     try:
         yield env, runs
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop_process(worker)
         print(log.read_text()[-5000:])  # shown by pytest only when a test failed
 
 

@@ -42,6 +42,7 @@ from tasks.attempts import record_failure, summary
 from tasks.plan import job_for
 from tasks.provision import free_port
 from tests.fault_report import FaultRow, record
+from tests.pipeline_specs import MICRO_MODEL
 from trainer.checkpoint import CheckpointStoreError, list_checkpoints
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
@@ -63,16 +64,7 @@ CREDENTIALS = {"AWS_SECRET_ACCESS_KEY": SECRET, "AWS_SESSION_TOKEN": SECRET, "HF
 SPEC: dict[str, Any] = {
     "name": "faults",
     "seed": 5,
-    "model": {
-        "preset": "custom",
-        "n_layers": 2,
-        "dim": 64,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "ffn_dim": 128,
-        "vocab_size": 256,
-        "rope_theta": 1e4,
-    },
+    "model": MICRO_MODEL,
     "data": {"loader_workers": 0},
     "train": {"steps": 12, "seq_len": 16, "global_batch_size": 8, "micro_batch_size": 2},
     "parallel": {"dp_shard": 2},
@@ -264,6 +256,21 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
             agent.kill()
 
 
+def record_recovery(fault: str, outcome: FaultOutcome, resumed_s: float, scenario: Scenario) -> None:
+    """One row of the reliability report for a fault the run recovered from (or failed on clearly)."""
+    record(
+        FaultRow(
+            fault,
+            "recovered" if scenario.finish_code == 0 else "failed clearly",
+            outcome.kind,
+            round(outcome.detected_s, 1),
+            outcome.steps_lost,
+            round(resumed_s, 1),
+            curve(scenario.run_dir) == curve(scenario.reference_dir),
+        )
+    )
+
+
 @pytest.mark.dist
 @pytest.mark.fault
 def test_lost_node_fails_the_survivor_fast_as_a_node_failure(scenario: Scenario) -> None:
@@ -273,16 +280,8 @@ def test_lost_node_fails_the_survivor_fast_as_a_node_failure(scenario: Scenario)
     # connection (exit EXIT_INFRA) or the agent's lost rendezvous. Both are node failures.
     assert outcome.detected_s < COLLECTIVE_TIMEOUT_S + 30  # no hang behind the dead peer
     assert 0 <= outcome.steps_lost <= SPEC["checkpoint"]["interval"]
-    record(
-        FaultRow(
-            "node lost (kill -9 of one agent and its rank)",
-            "recovered" if scenario.finish_code == 0 else "failed clearly",
-            outcome.kind,
-            round(outcome.detected_s, 1),
-            outcome.steps_lost,
-            round(scenario.resumed_after_node_loss_s, 1),
-            curve(scenario.run_dir) == curve(scenario.reference_dir),
-        )
+    record_recovery(
+        "node lost (kill -9 of one agent and its rank)", outcome, scenario.resumed_after_node_loss_s, scenario
     )
 
 
@@ -297,17 +296,7 @@ def test_sigstopped_rank_is_caught_by_the_watchdog_as_a_node_failure(scenario: S
     )
     assert outcome.detected_s < COLLECTIVE_TIMEOUT_S + 30
     assert 0 <= outcome.steps_lost <= SPEC["checkpoint"]["interval"]
-    record(
-        FaultRow(
-            "rank hung (SIGSTOP)",
-            "recovered" if scenario.finish_code == 0 else "failed clearly",
-            outcome.kind,
-            round(outcome.detected_s, 1),
-            outcome.steps_lost,
-            round(scenario.resumed_after_hang_s, 1),
-            curve(scenario.run_dir) == curve(scenario.reference_dir),
-        )
-    )
+    record_recovery("rank hung (SIGSTOP)", outcome, scenario.resumed_after_hang_s, scenario)
 
 
 @pytest.mark.dist

@@ -26,13 +26,24 @@ with StepProgress(Path(sys.argv[1]), total_steps=4):
 def follow(metrics: Path, env: dict[str, str], tty: bool) -> str:
     """Run FOLLOW with stderr on a pseudo-terminal (or a pipe); return what it wrote there."""
     if not tty:
-        done = subprocess.run([sys.executable, "-c", FOLLOW, str(metrics)], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", FOLLOW, str(metrics)],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         return done.stderr
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-c", FOLLOW, str(metrics)], cwd=REPO_ROOT, env=env,
-                            stderr=follower, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FOLLOW, str(metrics)],
+        cwd=REPO_ROOT,
+        env=env,
+        stderr=follower,
+        stdout=subprocess.DEVNULL,
+    )
     os.close(follower)
     chunks = []
     while True:

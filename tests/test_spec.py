@@ -27,7 +27,10 @@ def test_preset_fills_dimensions_and_override_wins() -> None:
     ("patch", "needle"),
     [
         ({"parallel": {"dp_shard": 3}}, "make the degrees multiply"),
-        ({"parallel": {"tp": 3}, "cluster": {"chips_per_node": 3}}, "parallel.tp=3 must divide model.n_heads"),
+        (
+            {"parallel": {"tp": 3}, "cluster": {"chips_per_node": 3}},
+            "parallel.tp=3 must divide model.n_heads",
+        ),
         ({"parallel": {"pp": 3}, "cluster": {"chips_per_node": 3}}, "must divide model.n_layers"),
         ({"train": {"global_batch_size": 6, "micro_batch_size": 4}}, "train.global_batch_size=6"),
         ({"cluster": {"accelerator": "gpu", "chip": "tpu-v5p"}}, "cluster.chip='tpu-v5p' is not a gpu chip"),

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from deployments.spec import TrainingSpec
+from tests.pipeline_specs import MICRO_MODEL
 from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
 from trainer.config import JobConfig, OptimizerConfig
@@ -38,16 +39,7 @@ CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "tokens")  # everything but wal
 SPEC: dict[str, Any] = {
     "name": "train-test",
     "seed": 3,
-    "model": {
-        "preset": "custom",
-        "n_layers": 2,
-        "dim": 64,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "ffn_dim": 128,
-        "vocab_size": 256,
-        "rope_theta": 1e4,
-    },
+    "model": MICRO_MODEL,
     "data": {"loader_workers": 0},
     "train": {"steps": 8, "seq_len": 16, "global_batch_size": 8, "micro_batch_size": 2},
     "parallel": {"dp_shard": 2},
@@ -99,7 +91,9 @@ def scenarios(hung_run: tuple[Path, LaunchResult]) -> tuple[Path, dict[str, str 
     job_json.write_text(job.model_dump_json())
     run_torchrun(
         [str(REPO / "tests" / "dist" / "train_scenarios.py"), str(job_json), str(base), str(result_json)],
-        nproc=2, env=launch_env(job), timeout_s=TIMEOUT_S,
+        nproc=2,
+        env=launch_env(job),
+        timeout_s=TIMEOUT_S,
     )
     return base, json.loads(result_json.read_text())
 

@@ -34,7 +34,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.register import REPO_ROOT
 from tests.pipeline_specs import tiny_spec_dict
-from tests.prefect_server import _free_port, server_env, wait_healthy
+from tests.prefect_server import free_port, server_env, stop_process, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Headless, and nothing that phones home: the CI box has no route to the internet.
@@ -66,15 +66,6 @@ def run_cli(env: dict[str, str], *args: str) -> None:
     assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen(
@@ -86,7 +77,7 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
 def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A UI-enabled server with the pools, the local-cpu pipeline deployment and a worker; (UI URL, runs)."""
     home = tmp_path_factory.mktemp("prefect-ui")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**server_env(f"{url}/api", home), "PREFECT_UI_ENABLED": "true", "PREFECT_UI_API_URL": f"{url}/api"}
     server = start(
@@ -102,7 +93,17 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
         runs = tmp_path_factory.mktemp("runs")
         worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
         worker = start(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "tessera-cpu", "--type", "process"],
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "worker",
+                "start",
+                "--pool",
+                "tessera-cpu",
+                "--type",
+                "process",
+            ],
             worker_env,
             home / "worker.log",
         )
@@ -110,9 +111,9 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
             yield url, runs
     finally:
         if worker is not None:
-            stop(worker)
+            stop_process(worker)
             print((home / "worker.log").read_text()[-5000:])  # shown by pytest only when the test failed
-        stop(server)
+        stop_process(server)
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +143,20 @@ def task_runs_by_name(client: SyncPrefectClient, flow_run_id: Any) -> dict[str, 
     runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     by_name: dict[str, list[TaskRun]] = {}
     for run in runs:
-        task = next(n for n in ("prepare-dataset", "plan", "provision", "train", "validate", "evaluate",
-                                "report", "teardown") if run.name.startswith(n))
+        task = next(
+            n
+            for n in (
+                "prepare-dataset",
+                "plan",
+                "provision",
+                "train",
+                "validate",
+                "evaluate",
+                "report",
+                "teardown",
+            )
+            if run.name.startswith(n)
+        )
         by_name.setdefault(task, []).append(run)
     return by_name
 
@@ -246,7 +259,9 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
     for key in ("plan", "memory", "progress", "eval", "loss-curve", "report"):
         page.get_by_text(f"ui-run-{key}").first.wait_for()
     # The task runs' artifact cards: the section under its heading, as one image.
-    page.get_by_text("Task runs", exact=True).locator("xpath=..").screenshot(path=DOCS / "ui-run-artifacts.png")
+    page.get_by_text("Task runs", exact=True).locator("xpath=..").screenshot(
+        path=DOCS / "ui-run-artifacts.png"
+    )
 
     page.goto(f"{url}/artifacts/artifact/{loss_curve.id}", wait_until="networkidle")
     page.locator("img[alt='loss curve']").first.wait_for()

@@ -19,8 +19,17 @@ def run_torchrun(
     ``target`` is what follows the launcher's own flags: ``["-m", "tests.dist.x", ARG]`` or a script path.
     Ranks get one intra-op thread each, since several share the 2 cores of a CI box.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *target]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *target,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (
+        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    )
     return proc

@@ -33,16 +33,27 @@ class Strict(BaseModel):
 # Model shapes. The llama3 rows are the published Llama 3 / 3.1 architectures (Dubey et al. 2024,
 # Table 3, and the released params.json files); tiny/small are ours, sized to train on a laptop CPU.
 MODEL_PRESETS: dict[str, dict[str, float]] = {
-    "tiny": dict(n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=2048,
-                 rope_theta=10000.0),
-    "small": dict(n_layers=8, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192,
-                  rope_theta=10000.0),
-    "llama3-8b": dict(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                      vocab_size=128256, rope_theta=500000.0),
-    "llama3-70b": dict(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                       vocab_size=128256, rope_theta=500000.0),
-    "llama3-405b": dict(n_layers=126, dim=16384, n_heads=128, n_kv_heads=8, ffn_dim=53248,
-                        vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(
+        n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=2048, rope_theta=10000.0
+    ),
+    "small": dict(
+        n_layers=8, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192, rope_theta=10000.0
+    ),
+    "llama3-8b": dict(
+        n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, rope_theta=500000.0
+    ),
+    "llama3-70b": dict(
+        n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, rope_theta=500000.0
+    ),
+    "llama3-405b": dict(
+        n_layers=126,
+        dim=16384,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim=53248,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -55,7 +66,9 @@ class ModelConfig(Strict):
     n_heads: PositiveInt | None = Field(None, description="Query heads (default: from preset).")
     n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads for grouped-query attention.")
     ffn_dim: PositiveInt | None = Field(None, description="SwiGLU hidden size (default: from preset).")
-    vocab_size: PositiveInt | None = Field(None, description="Vocabulary size; the tokenizer is trained to it.")
+    vocab_size: PositiveInt | None = Field(
+        None, description="Vocabulary size; the tokenizer is trained to it."
+    )
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency (default: from preset).")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share input embedding and output projection weights.")
@@ -72,7 +85,9 @@ class ModelConfig(Strict):
                 # object.__setattr__ skips re-validation recursion from validate_assignment.
                 object.__setattr__(self, key, type(base[key])(base[key]))
         if missing:
-            raise ValueError(f"model.preset=custom needs model.{', model.'.join(missing)}; set them or pick a preset")
+            raise ValueError(
+                f"model.preset=custom needs model.{', model.'.join(missing)}; set them or pick a preset"
+            )
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -93,7 +108,9 @@ class ParallelConfig(Strict):
 
     dp_replicate: PositiveInt = Field(1, description="Data-parallel replicas (HSDP outer dim; DDP-like).")
     dp_shard: PositiveInt = Field(1, description="FSDP2 sharding degree (ZeRO-3 style) within a replica.")
-    tp: PositiveInt = Field(1, description="Tensor-parallel degree (with sequence parallel); keep within a node.")
+    tp: PositiveInt = Field(
+        1, description="Tensor-parallel degree (with sequence parallel); keep within a node."
+    )
     pp: PositiveInt = Field(1, description="Pipeline-parallel stages.")
     pp_schedule: PipelineSchedule = Field("1f1b", description="Pipeline schedule when pp > 1.")
     pp_virtual_stages: PositiveInt = Field(
@@ -121,7 +138,9 @@ class TrainConfig(Strict):
 
     steps: PositiveInt = Field(100, description="Optimizer steps to train for.")
     seq_len: PositiveInt = Field(128, description="Tokens per sample.")
-    global_batch_size: PositiveInt = Field(8, description="Sequences per optimizer step, across all replicas.")
+    global_batch_size: PositiveInt = Field(
+        8, description="Sequences per optimizer step, across all replicas."
+    )
     micro_batch_size: PositiveInt = Field(
         4,
         description="Sequences per forward pass on one data-parallel rank. global / (dp × micro) "
@@ -147,17 +166,22 @@ class CheckpointConfig(Strict):
     """Sharded DCP checkpoints through fsspec."""
 
     url: str | None = Field(
-        None, description="Where checkpoints go: a local path, gs://bucket/path or s3://bucket/path. "
-        "Default: <run dir>/checkpoints."
+        None,
+        description="Where checkpoints go: a local path, gs://bucket/path or s3://bucket/path. "
+        "Default: <run dir>/checkpoints.",
     )
     interval: PositiveInt | Literal["auto"] = Field(
-        "auto", description="Steps between checkpoints, or 'auto' for the Young/Daly optimum from the planner."
+        "auto",
+        description="Steps between checkpoints, or 'auto' for the Young/Daly optimum from the planner.",
     )
     keep_last: PositiveInt = Field(3, description="Keep the newest N checkpoints.")
-    keep_every: PositiveInt | None = Field(None, description="Also keep every checkpoint whose step is a multiple of K.")
+    keep_every: PositiveInt | None = Field(
+        None, description="Also keep every checkpoint whose step is a multiple of K."
+    )
     mode: AsyncMode = Field(
-        "async", description="sync blocks training for the whole write; async stages to host memory and "
-        "writes in a thread; async_process writes in a separate process."
+        "async",
+        description="sync blocks training for the whole write; async stages to host memory and "
+        "writes in a thread; async_process writes in a separate process.",
     )
     write_bandwidth_gbps: float = Field(
         2.0, gt=0, description="Assumed storage write bandwidth per node in GB/s (planner input)."
@@ -181,12 +205,16 @@ class FaultsConfig(Strict):
 class HardwareConfig(Strict):
     """What the job runs on; the chip must belong to the accelerator (see trainer.backends.chips)."""
 
-    accelerator: Accelerator = Field("cpu", description="Accelerator family; selects the backend and work pool.")
+    accelerator: Accelerator = Field(
+        "cpu", description="Accelerator family; selects the backend and work pool."
+    )
     chip: str = Field("cpu", description="Chip type from the catalog, e.g. h100-sxm, tpu-v5p, trainium2.")
     nodes: PositiveInt = Field(1, description="Hosts in the job.")
     chips_per_node: PositiveInt = Field(1, description="Accelerator chips (or CPU processes) per host.")
     mtbf_hours: float | None = Field(
-        None, gt=0, description="Job mean time between failures; default from the chip's per-chip failure rate."
+        None,
+        gt=0,
+        description="Job mean time between failures; default from the chip's per-chip failure rate.",
     )
 
     @property
@@ -198,8 +226,9 @@ class DataConfig(Strict):
     """The corpus, how it is tokenized and sharded, and how the trainer reads it."""
 
     source: Literal["stdlib", "generated", "files"] = Field(
-        "stdlib", description="stdlib: the Python standard library's sources (real text, on every machine); "
-        "generated: a small synthetic corpus; files: the paths below."
+        "stdlib",
+        description="stdlib: the Python standard library's sources (real text, on every machine); "
+        "generated: a small synthetic corpus; files: the paths below.",
     )
     paths: list[str] = Field(
         default_factory=list, description="Files, globs or fsspec URLs (gs://, s3://) when source=files."
@@ -207,7 +236,8 @@ class DataConfig(Strict):
     format: Literal["auto", "text", "jsonl", "parquet"] = Field("auto", description="Input file format.")
     text_field: str = Field("text", description="Column holding the text (JSONL/Parquet).")
     tokenizer: str | None = Field(
-        None, description="Existing tokenizer.json to use; default: train a byte-level BPE to model.vocab_size."
+        None,
+        description="Existing tokenizer.json to use; default: train a byte-level BPE to model.vocab_size.",
     )
     output_url: str = Field("data", description="Where shards + manifest go: local path, gs:// or s3://.")
     validation_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for eval, by seed.")
@@ -217,7 +247,9 @@ class DataConfig(Strict):
     loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
 
 
-def layout_errors(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: HardwareConfig) -> list[str]:
+def layout_errors(
+    model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hw: HardwareConfig
+) -> list[str]:
     """Cross-field checks shared by the job config and the deployment spec; each names field and fix."""
     errors: list[str] = []
     if parallel.world_size != hw.world_size:
@@ -229,7 +261,9 @@ def layout_errors(model: ModelConfig, parallel: ParallelConfig, train: TrainConf
     for name in ("n_heads", "n_kv_heads"):
         value = getattr(model, name)
         if value % parallel.tp:
-            errors.append(f"parallel.tp={parallel.tp} must divide model.{name}={value}; use a tp from {_divisors(value)}")
+            errors.append(
+                f"parallel.tp={parallel.tp} must divide model.{name}={value}; use a tp from {_divisors(value)}"
+            )
     if model.n_layers % (parallel.pp * parallel.pp_virtual_stages):
         errors.append(
             f"parallel.pp×pp_virtual_stages={parallel.pp * parallel.pp_virtual_stages} must divide "
@@ -274,7 +308,8 @@ class JobConfig(Strict):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     data_url: str | None = Field(
-        None, description="URL of a prepared dataset's manifest.json; None trains on deterministic synthetic tokens."
+        None,
+        description="URL of a prepared dataset's manifest.json; None trains on deterministic synthetic tokens.",
     )
     loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
     checkpoint_interval_steps: PositiveInt | None = Field(

@@ -65,8 +65,11 @@ class StepProgress:
                 task = bar.add_task("train", total=self.total, status="")
             if records and task is not None:
                 last = records[-1]
-                bar.update(task, completed=last["step"],
-                           status=f"loss {last['loss']:.4f} · {last['tokens_per_s']:,.0f} tok/s")
+                bar.update(
+                    task,
+                    completed=last["step"],
+                    status=f"loss {last['loss']:.4f} · {last['tokens_per_s']:,.0f} tok/s",
+                )
             if stopping:
                 break
         if task is not None:

@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         result = train(load_job(args.spec), args.run_dir)
     except Exception as exc:
         if is_infra_error(exc):  # the store, a peer or a loader worker failed: a retry can fix it
-            print(f"error: [rank {rank}] infrastructure failure, retryable: {exc}", file=sys.stderr, flush=True)
+            print(
+                f"error: [rank {rank}] infrastructure failure, retryable: {exc}", file=sys.stderr, flush=True
+            )
             return EXIT_INFRA
         if not isinstance(exc, UserError | CheckpointError | DataError):
             raise  # a bug: @record keeps the traceback for the launcher's report

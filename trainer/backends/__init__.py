@@ -23,9 +23,14 @@ def get_backend(accelerator: str) -> Backend:
     from trainer.backends.trainium import TrainiumBackend
 
     backends: dict[str, type[Backend]] = {
-        "cpu": CPUBackend, "gpu": GPUBackend, "tpu": TPUBackend, "trainium": TrainiumBackend,
+        "cpu": CPUBackend,
+        "gpu": GPUBackend,
+        "tpu": TPUBackend,
+        "trainium": TrainiumBackend,
     }
     try:
         return backends[accelerator]()
     except KeyError:
-        raise ValueError(f"unknown accelerator {accelerator!r}; choose one of {', '.join(backends)}") from None
+        raise ValueError(
+            f"unknown accelerator {accelerator!r}; choose one of {', '.join(backends)}"
+        ) from None

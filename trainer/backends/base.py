@@ -50,8 +50,9 @@ class Backend(ABC):
         timeout = timedelta(seconds=timeout_s)
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend=self.dist_backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend=self.dist_backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
 
     def launch_env(self, chips_per_node: int) -> dict[str, str]:
         """Environment variables the launcher sets on every worker of this backend."""

@@ -89,7 +89,9 @@ def step_dirs(url: str) -> dict[int, str]:
     except FileNotFoundError:
         return {}
     except Exception as exc:  # botocore/gcsfs errors are not OSErrors; the cause keeps them classifiable
-        raise CheckpointStoreError(f"cannot list checkpoints at {url!r}: {type(exc).__name__}: {exc}") from exc
+        raise CheckpointStoreError(
+            f"cannot list checkpoints at {url!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     steps = {}
     for entry in entries:
         match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])

@@ -22,8 +22,16 @@ from trainer.config import DataConfig
 from trainer.data.errors import DataError
 from trainer.data.fs import filesystem, retrying
 
-_FORMAT_BY_SUFFIX = {".txt": "text", ".text": "text", ".md": "text", ".py": "text",
-                     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+_FORMAT_BY_SUFFIX = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".py": "text",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+}
 _DATASETS_BUILDER = {"text": "text", "jsonl": "json", "parquet": "parquet"}
 GENERATED_DOCUMENTS = 400
 
@@ -34,7 +42,9 @@ def load_corpus(cfg: DataConfig) -> datasets.Dataset:
     if cfg.source == "stdlib":
         corpus = datasets.Dataset.from_dict({"text": [p.read_text(encoding="utf-8") for p in stdlib_files()]})
     elif cfg.source == "generated":
-        corpus = datasets.Dataset.from_dict({"text": generated_documents(cfg.max_documents or GENERATED_DOCUMENTS)})
+        corpus = datasets.Dataset.from_dict(
+            {"text": generated_documents(cfg.max_documents or GENERATED_DOCUMENTS)}
+        )
     else:
         corpus = _load_files(cfg)
     if cfg.max_documents is not None and len(corpus) > cfg.max_documents:
@@ -42,8 +52,10 @@ def load_corpus(cfg: DataConfig) -> datasets.Dataset:
     # An empty text file reads as one empty document; larger all-blank corpora fail at packing instead
     # ("fewer than one sample"), which avoids a full pass over the text here.
     if len(corpus) == 0 or (len(corpus) == 1 and not corpus[0]["text"].strip()):
-        raise DataError(f"the corpus (data.source={cfg.source}, data.paths={cfg.paths}) has no text; "
-                        "point data.paths at non-empty files")
+        raise DataError(
+            f"the corpus (data.source={cfg.source}, data.paths={cfg.paths}) has no text; "
+            "point data.paths at non-empty files"
+        )
     return corpus
 
 
@@ -55,8 +67,11 @@ def corpus_identity(cfg: DataConfig) -> dict[str, Any]:
         identity["python"] = sys.version
     elif cfg.source == "files":
         files = resolve_paths(cfg.paths)
-        identity.update(format=_format_of(cfg, files), text_field=cfg.text_field,
-                        files=[(url, *_version_of(url)) for url in files])
+        identity.update(
+            format=_format_of(cfg, files),
+            text_field=cfg.text_field,
+            files=[(url, *_version_of(url)) for url in files],
+        )
     return identity
 
 
@@ -100,8 +115,11 @@ def resolve_paths(paths: list[str]) -> list[str]:
 def _version_of(url: str) -> tuple[int, str]:
     fs, path = filesystem(url)
     info = retrying(lambda: fs.info(path), f"stat {url}")
-    key = {k: str(info.get(k)) for k in ("mtime", "LastModified", "ETag", "md5Hash", "generation", "updated")
-           if info.get(k) is not None}
+    key = {
+        k: str(info.get(k))
+        for k in ("mtime", "LastModified", "ETag", "md5Hash", "generation", "updated")
+        if info.get(k) is not None
+    }
     return int(info.get("size") or 0), hashlib.sha256(repr(sorted(key.items())).encode()).hexdigest()[:16]
 
 
@@ -112,12 +130,16 @@ def _format_of(cfg: DataConfig, files: list[str]) -> str:
     for url in files:
         suffix = Path(url).suffix.lower()
         if suffix not in _FORMAT_BY_SUFFIX:
-            raise DataError(f"cannot tell the format of {url!r} from its suffix; set data.format to "
-                            "text, jsonl or parquet")
+            raise DataError(
+                f"cannot tell the format of {url!r} from its suffix; set data.format to "
+                "text, jsonl or parquet"
+            )
         formats[_FORMAT_BY_SUFFIX[suffix]] = url
     if len(formats) > 1:
-        raise DataError(f"data.paths mixes formats {sorted(formats)} (e.g. {list(formats.values())}); "
-                        "prepare one format per dataset")
+        raise DataError(
+            f"data.paths mixes formats {sorted(formats)} (e.g. {list(formats.values())}); "
+            "prepare one format per dataset"
+        )
     return next(iter(formats))
 
 
@@ -128,13 +150,17 @@ def _load_files(cfg: DataConfig) -> datasets.Dataset:
     try:
         corpus = datasets.load_dataset(_DATASETS_BUILDER[fmt], data_files=files, split="train", **options)
     except Exception as error:
-        raise DataError(f"could not read {files} as {fmt} ({type(error).__name__}: {error}); check the files "
-                        "or set data.format") from error
+        raise DataError(
+            f"could not read {files} as {fmt} ({type(error).__name__}: {error}); check the files "
+            "or set data.format"
+        ) from error
     if fmt == "text":
         return corpus
     if cfg.text_field not in corpus.column_names:
-        raise DataError(f"data.text_field={cfg.text_field!r} is not a column of {files}; "
-                        f"columns are {corpus.column_names}")
+        raise DataError(
+            f"data.text_field={cfg.text_field!r} is not a column of {files}; "
+            f"columns are {corpus.column_names}"
+        )
     feature = corpus.features[cfg.text_field]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise DataError(f"data.text_field={cfg.text_field!r} in {files} holds {feature}, not text")

@@ -30,7 +30,14 @@ RETRY_ATTEMPTS = 6
 RETRY_BASE_DELAY_S = 0.2
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 # s3fs maps 503 SlowDown/ServiceUnavailable to EBUSY; the others are dropped or stalled connections.
-_TRANSIENT_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE}
+_TRANSIENT_ERRNO = {
+    errno.EBUSY,
+    errno.EAGAIN,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+}
 # Last resort for client libraries that raise bare exceptions for dropped connections.
 _TRANSIENT_WORDS = ("slowdown", "service unavailable", "connection reset", "server disconnected", "timed out")
 
@@ -69,7 +76,9 @@ def retrying(action: Callable[[], T], what: str, attempts: int = RETRY_ATTEMPTS)
             if attempt == attempts - 1 or not is_transient(error):
                 raise
             delay = RETRY_BASE_DELAY_S * 2**attempt * (0.5 + random.random())
-            log.warning("%s failed (%s: %s); retry %d in %.1fs", what, type(error).__name__, error, attempt + 1, delay)
+            log.warning(
+                "%s failed (%s: %s); retry %d in %.1fs", what, type(error).__name__, error, attempt + 1, delay
+            )
             time.sleep(delay)
     raise AssertionError("unreachable")
 
@@ -114,5 +123,7 @@ def ensure_writable(url: str, field: str) -> None:
         fs, path = filesystem(probe)
         retrying(lambda: fs.rm_file(path), f"delete {probe}")
     except Exception as error:
-        raise DataError(f"{field}={url!r} is not writable ({type(error).__name__}: {error}); "
-                        "point it at a writable directory or bucket") from error
+        raise DataError(
+            f"{field}={url!r} is not writable ({type(error).__name__}: {error}); "
+            "point it at a writable directory or bucket"
+        ) from error

@@ -86,7 +86,8 @@ class ShardedSamples:
         if self._within_key != (epoch, shard):
             self._within_key = (epoch, shard)
             self._within_order = np.random.default_rng([self.seed, epoch, shard]).permutation(
-                self.shards[shard].samples)
+                self.shards[shard].samples
+            )
         return self._within_order
 
     def _set_epoch(self, epoch: int) -> None:
@@ -108,14 +109,17 @@ class ShardedSamples:
         return self._cache[index].result()
 
     def _fetch(self, shard: ShardInfo) -> np.ndarray:
-        return fetch_shard(self.manifest.url_of(shard.name), shard, self.manifest.dtype, self.manifest.sample_len)
+        return fetch_shard(
+            self.manifest.url_of(shard.name), shard, self.manifest.dtype, self.manifest.sample_len
+        )
 
 
 class _StepStream(IterableDataset):
     """This rank's rows of every step from ``first_sample`` on; worker w of W makes steps w, w+W, ..."""
 
-    def __init__(self, source: SampleSource, first_sample: int, global_batch: int, row_offset: int,
-                 local_batch: int) -> None:
+    def __init__(
+        self, source: SampleSource, first_sample: int, global_batch: int, row_offset: int, local_batch: int
+    ) -> None:
         super().__init__()
         self.source, self.first_sample, self.global_batch = source, first_sample, global_batch
         self.row_offset, self.local_batch = row_offset, local_batch
@@ -136,11 +140,14 @@ def to_batch(rows: np.ndarray) -> Batch:
 class StepLoader:
     """Iterator of ``(inputs, targets)`` int64 tensors [global_batch // dp_size, seq_len], one per step."""
 
-    def __init__(self, source: SampleSource, global_batch_size: int, dp_rank: int, dp_size: int,
-                 workers: int = 0) -> None:
+    def __init__(
+        self, source: SampleSource, global_batch_size: int, dp_rank: int, dp_size: int, workers: int = 0
+    ) -> None:
         if global_batch_size % dp_size:
-            raise DataError(f"train.global_batch_size={global_batch_size} is not divisible by the "
-                            f"data-parallel size {dp_size}")
+            raise DataError(
+                f"train.global_batch_size={global_batch_size} is not divisible by the "
+                f"data-parallel size {dp_size}"
+            )
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside [0, {dp_size})")
         self.source, self.global_batch_size, self.workers = source, global_batch_size, workers
@@ -154,10 +161,16 @@ class StepLoader:
 
     def __next__(self) -> Batch:
         if self._iterator is None:
-            stream = _StepStream(self.source, self.samples_consumed, self.global_batch_size, self.row_offset,
-                                 self.local_batch)
-            loader = DataLoader(stream, batch_size=None, num_workers=self.workers,
-                                prefetch_factor=2 if self.workers else None, persistent_workers=False)
+            stream = _StepStream(
+                self.source, self.samples_consumed, self.global_batch_size, self.row_offset, self.local_batch
+            )
+            loader = DataLoader(
+                stream,
+                batch_size=None,
+                num_workers=self.workers,
+                prefetch_factor=2 if self.workers else None,
+                persistent_workers=False,
+            )
             self._iterator = iter(loader)
         batch = next(self._iterator)
         self.samples_consumed += self.global_batch_size
@@ -165,8 +178,10 @@ class StepLoader:
 
     def state_dict(self) -> dict[str, int]:
         per_epoch = self.source.samples_per_epoch
-        return {"samples_consumed": self.samples_consumed,
-                "epoch": self.samples_consumed // per_epoch if per_epoch else 0}
+        return {
+            "samples_consumed": self.samples_consumed,
+            "epoch": self.samples_consumed // per_epoch if per_epoch else 0,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue right after the last sample the saved loader handed out (any dp size, any workers)."""
@@ -186,11 +201,15 @@ def build_loader(job: JobConfig, dp_rank: int, dp_size: int) -> StepLoader:
     else:
         manifest = read_manifest(job.data_url)
         if manifest.seq_len != job.train.seq_len:
-            raise DataError(f"dataset {job.data_url} was packed for seq_len={manifest.seq_len} but "
-                            f"train.seq_len={job.train.seq_len}; prepare it again with this seq_len")
+            raise DataError(
+                f"dataset {job.data_url} was packed for seq_len={manifest.seq_len} but "
+                f"train.seq_len={job.train.seq_len}; prepare it again with this seq_len"
+            )
         if manifest.tokenizer_vocab_size > job.model.vocab_size:
-            raise DataError(f"dataset {job.data_url} has token ids up to {manifest.tokenizer_vocab_size - 1} "
-                            f"but model.vocab_size={job.model.vocab_size}; raise model.vocab_size")
+            raise DataError(
+                f"dataset {job.data_url} has token ids up to {manifest.tokenizer_vocab_size - 1} "
+                f"but model.vocab_size={job.model.vocab_size}; raise model.vocab_size"
+            )
         source = ShardedSamples(manifest, job.seed)
     return StepLoader(source, job.train.global_batch_size, dp_rank, dp_size, job.loader_workers)
 

@@ -81,7 +81,9 @@ def read_manifest(url: str) -> DatasetManifest:
     try:
         data = read_bytes(url)
     except FileNotFoundError as error:
-        raise DataError(f"no dataset manifest at {url!r}; run data preparation first (or fix data_url)") from error
+        raise DataError(
+            f"no dataset manifest at {url!r}; run data preparation first (or fix data_url)"
+        ) from error
     try:
         manifest = DatasetManifest.model_validate(json.loads(data))
     except ValueError as error:

@@ -33,7 +33,9 @@ def _encode(batch: dict[str, list[str]], tokenizer: Tokenizer) -> dict[str, list
     return {"ids": [encoding.ids for encoding in tokenizer.encode_batch(batch["text"])]}
 
 
-def tokenize(corpus: datasets.Dataset, tokenizer: Tokenizer, num_proc: int, progress: bool = False) -> datasets.Dataset:
+def tokenize(
+    corpus: datasets.Dataset, tokenizer: Tokenizer, num_proc: int, progress: bool = False
+) -> datasets.Dataset:
     """One ``ids`` row per document, computed by batched, optionally multi-process map."""
     if num_proc > 1:
         # Forked map workers would otherwise each start a Rust thread pool on top of the processes.
@@ -41,22 +43,27 @@ def tokenize(corpus: datasets.Dataset, tokenizer: Tokenizer, num_proc: int, prog
     if progress:
         datasets.enable_progress_bars()
     return corpus.map(
-        _encode, batched=True, batch_size=MAP_BATCH_DOCUMENTS, num_proc=num_proc if num_proc > 1 else None,
-        remove_columns=corpus.column_names, fn_kwargs={"tokenizer": tokenizer},
+        _encode,
+        batched=True,
+        batch_size=MAP_BATCH_DOCUMENTS,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=corpus.column_names,
+        fn_kwargs={"tokenizer": tokenizer},
         features=datasets.Features({"ids": datasets.Sequence(datasets.Value("int32"))}),
         desc="tokenize" if progress else None,
     )
 
 
-def token_stream(tokenized: datasets.Dataset, indices: list[int], eos_id: int,
-                 batch_documents: int = 4096) -> Iterator[np.ndarray]:
+def token_stream(
+    tokenized: datasets.Dataset, indices: list[int], eos_id: int, batch_documents: int = 4096
+) -> Iterator[np.ndarray]:
     """The given documents' tokens, each followed by EOS, as flat int32 chunks straight from Arrow.
 
     EOS is inserted here, vectorised at the documents' end offsets, rather than appended to each
     Python list in ``map``: that copy cost a third as much as writing the shards.
     """
     for start in range(0, len(indices), batch_documents):
-        table = tokenized.select(indices[start:start + batch_documents]).with_format("arrow")[:]
+        table = tokenized.select(indices[start : start + batch_documents]).with_format("arrow")[:]
         ids = table.column("ids").combine_chunks()
         if isinstance(ids, pa.ChunkedArray):
             ids = ids.chunk(0) if ids.num_chunks else pa.array([], type=pa.list_(pa.int32()))

@@ -47,10 +47,16 @@ SPLITS: tuple[Split, ...] = ("train", "val")
 
 def fingerprint_inputs(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int) -> dict:
     # num_proc and loader_workers are absent on purpose: they change speed, not bytes.
-    return {"format_version": FORMAT_VERSION, "corpus": corpus_identity(cfg),
-            "tokenizer": tokenizer_recipe(cfg.tokenizer, vocab_size), "vocab_size": vocab_size,
-            "seq_len": seq_len, "seed": seed, "validation_fraction": cfg.validation_fraction,
-            "samples_per_shard": cfg.samples_per_shard}
+    return {
+        "format_version": FORMAT_VERSION,
+        "corpus": corpus_identity(cfg),
+        "tokenizer": tokenizer_recipe(cfg.tokenizer, vocab_size),
+        "vocab_size": vocab_size,
+        "seq_len": seq_len,
+        "seed": seed,
+        "validation_fraction": cfg.validation_fraction,
+        "samples_per_shard": cfg.samples_per_shard,
+    }
 
 
 def dataset_url(cfg: DataConfig, vocab_size: int, seq_len: int, seed: int) -> str:
@@ -66,8 +72,9 @@ def find_prepared(url: str) -> str | None:
     return manifest_url if exists(manifest_url) else None
 
 
-def prepare_tokenizer(cfg: DataConfig, vocab_size: int, url: str,
-                      corpus: datasets.Dataset | None = None) -> str:
+def prepare_tokenizer(
+    cfg: DataConfig, vocab_size: int, url: str, corpus: datasets.Dataset | None = None
+) -> str:
     """Train (or copy the given) tokenizer into ``<url>/tokenizer.json``; returns its URL."""
     ensure_writable(url, "data.output_url")
     target = join(url, TOKENIZER)
@@ -76,14 +83,24 @@ def prepare_tokenizer(cfg: DataConfig, vocab_size: int, url: str,
         parse_tokenizer(data, cfg.tokenizer, vocab_size)
     else:
         corpus = corpus if corpus is not None else load_corpus(cfg)
-        texts = (text for batch in corpus.iter(batch_size=1024) for text in batch["text"])  # streamed, not all in RAM
+        texts = (
+            text for batch in corpus.iter(batch_size=1024) for text in batch["text"]
+        )  # streamed, not all in RAM
         data = train_bpe(texts, vocab_size).to_str().encode()
     write_bytes(target, data)
     return target
 
 
-def build_shards(cfg: DataConfig, tokenizer_url: str, vocab_size: int, seq_len: int, seed: int, url: str,
-                 corpus: datasets.Dataset | None = None, progress: bool = False) -> str:
+def build_shards(
+    cfg: DataConfig,
+    tokenizer_url: str,
+    vocab_size: int,
+    seq_len: int,
+    seed: int,
+    url: str,
+    corpus: datasets.Dataset | None = None,
+    progress: bool = False,
+) -> str:
     """Tokenize, split by document, pack and shard both splits; write the manifest last. Returns its URL."""
     corpus = corpus if corpus is not None else load_corpus(cfg)
     tokenizer_bytes = read_tokenizer_bytes(tokenizer_url)
@@ -109,15 +126,28 @@ def build_shards(cfg: DataConfig, tokenizer_url: str, vocab_size: int, seq_len: 
             )
         shards.extend(split_shards)
         totals[split] = SplitTotals(
-            documents=len(documents[split]), samples=sum(s.samples for s in split_shards),
-            tokens=sum(s.tokens for s in split_shards), tokens_dropped=packer.tokens_dropped,
-            shards=len(split_shards), bytes=sum(s.bytes for s in split_shards))
+            documents=len(documents[split]),
+            samples=sum(s.samples for s in split_shards),
+            tokens=sum(s.tokens for s in split_shards),
+            tokens_dropped=packer.tokens_dropped,
+            shards=len(split_shards),
+            bytes=sum(s.bytes for s in split_shards),
+        )
     manifest = DatasetManifest(
-        fingerprint=url.rstrip("/").rsplit("/", 1)[-1], inputs=fingerprint_inputs(cfg, vocab_size, seq_len, seed),
-        seq_len=seq_len, sample_len=sample_len, dtype=dtype, vocab_size=vocab_size,
+        fingerprint=url.rstrip("/").rsplit("/", 1)[-1],
+        inputs=fingerprint_inputs(cfg, vocab_size, seq_len, seed),
+        seq_len=seq_len,
+        sample_len=sample_len,
+        dtype=dtype,
+        vocab_size=vocab_size,
         tokenizer_vocab_size=tokenizer.get_vocab_size(),
-        tokenizer_sha256=hashlib.sha256(tokenizer_bytes).hexdigest(), eos_id=tokenizer.token_to_id(EOS),
-        seed=seed, validation_fraction=cfg.validation_fraction, totals=totals, shards=shards)
+        tokenizer_sha256=hashlib.sha256(tokenizer_bytes).hexdigest(),
+        eos_id=tokenizer.token_to_id(EOS),
+        seed=seed,
+        validation_fraction=cfg.validation_fraction,
+        totals=totals,
+        shards=shards,
+    )
     return write_manifest(url, manifest)
 
 

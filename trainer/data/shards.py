@@ -73,16 +73,24 @@ def fetch_shard(url: str, shard: ShardInfo, dtype: TokenDtype, sample_len: int) 
         raise DataError(f"shard {url} listed in the manifest is missing; re-run data preparation") from error
     digest = hashlib.sha256(data).hexdigest()
     if digest != shard.sha256:
-        raise DataError(f"shard {url} is corrupt: sha256 {digest[:12]}… but the manifest says "
-                        f"{shard.sha256[:12]}…; re-run data preparation")
+        raise DataError(
+            f"shard {url} is corrupt: sha256 {digest[:12]}… but the manifest says "
+            f"{shard.sha256[:12]}…; re-run data preparation"
+        )
     return decode_shard(data, dtype, sample_len, url)
 
 
 class ShardSink:
     """Collects packed samples of one split and writes a shard every ``samples_per_shard`` samples."""
 
-    def __init__(self, dataset_url: str, split: Split, samples_per_shard: int, dtype: TokenDtype,
-                 progress: bool = False) -> None:
+    def __init__(
+        self,
+        dataset_url: str,
+        split: Split,
+        samples_per_shard: int,
+        dtype: TokenDtype,
+        progress: bool = False,
+    ) -> None:
         self.dataset_url, self.split, self.dtype = dataset_url, split, dtype
         self.samples_per_shard = samples_per_shard
         self.shards: list[ShardInfo] = []
@@ -99,7 +107,7 @@ class ShardSink:
         while self._pending_rows >= self.samples_per_shard:
             rows = np.concatenate(self._pending)
             self._flush(rows[: self.samples_per_shard])
-            rest = rows[self.samples_per_shard:]
+            rest = rows[self.samples_per_shard :]
             self._pending, self._pending_rows = [rest], len(rest)
 
     def close(self) -> list[ShardInfo]:
@@ -119,7 +127,15 @@ class ShardSink:
         self._uploads.append(self._pool.submit(write_bytes, join(self.dataset_url, name), data))
         if len(self._uploads) > 2 * UPLOAD_THREADS:
             self._uploads[-2 * UPLOAD_THREADS - 1].result()  # bound the shards held in memory
-        self.shards.append(ShardInfo(name=name, split=self.split, samples=len(rows), tokens=rows.size,
-                                     bytes=len(data), sha256=hashlib.sha256(data).hexdigest()))
+        self.shards.append(
+            ShardInfo(
+                name=name,
+                split=self.split,
+                samples=len(rows),
+                tokens=rows.size,
+                bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+            )
+        )
         self._written_rows += len(rows)
         self._bar.update()  # counts shards encoded; close() waits for their puts

@@ -32,7 +32,13 @@ def plot_memory_breakdown(plan: Plan, path: Path) -> Path:
             size = getattr(mem, name) / scale
             ax.bar(0, size, bottom=bottom, width=0.5, label=f"{name.replace('_', ' ')} ({size:,.2f} {unit})")
             bottom += size
-        ax.plot([-0.3, 0.3], [mem.total / scale] * 2, "k-", linewidth=2, label=f"peak ({mem.total / scale:,.2f} {unit})")
+        ax.plot(
+            [-0.3, 0.3],
+            [mem.total / scale] * 2,
+            "k-",
+            linewidth=2,
+            label=f"peak ({mem.total / scale:,.2f} {unit})",
+        )
         hbm = f"{plan.chip} HBM ({plan.hbm_bytes / scale:,.0f} {unit})"
         if hbm_in_scale:
             ax.axhline(plan.hbm_bytes / scale, color="red", label=hbm)
