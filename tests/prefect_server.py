@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from deployments.register import REPO_ROOT
+
 STARTUP_TIMEOUT_S = 120  # ~11 s on an idle machine; the CI box is shared
 
 
@@ -47,6 +49,28 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# A real process worker for the CPU pool, as a user starts one.
+CPU_WORKER = [
+    sys.executable,
+    "-m",
+    "prefect",
+    "worker",
+    "start",
+    "--pool",
+    "tessera-cpu",
+    "--type",
+    "process",
+]
+
+
+def start_process(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start a server or worker from the repo root in its own session, its output in ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            args, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:

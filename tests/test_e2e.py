@@ -25,7 +25,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.register import REPO_ROOT
 from tests.pipeline_specs import tiny_spec_dict
-from tests.prefect_server import server_env, stop_process
+from tests.prefect_server import CPU_WORKER, server_env, start_process, stop_process
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.data.manifest import read_manifest
 
@@ -59,25 +59,7 @@ def deployed(
     runs = tmp_path_factory.mktemp("runs")
     worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
     log = home / "worker.log"
-    with log.open("wb") as out:
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "prefect",
-                "worker",
-                "start",
-                "--pool",
-                "tessera-cpu",
-                "--type",
-                "process",
-            ],
-            cwd=REPO_ROOT,
-            env=worker_env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = start_process(CPU_WORKER, worker_env, log)
     try:
         yield env, runs
     finally:

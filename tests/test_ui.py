@@ -34,7 +34,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.register import REPO_ROOT
 from tests.pipeline_specs import tiny_spec_dict
-from tests.prefect_server import free_port, server_env, stop_process, wait_healthy
+from tests.prefect_server import CPU_WORKER, free_port, server_env, start_process, stop_process, wait_healthy
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Headless, and nothing that phones home: the CI box has no route to the internet.
@@ -66,13 +66,6 @@ def run_cli(env: dict[str, str], *args: str) -> None:
     assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
 
 
-def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            args, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A UI-enabled server with the pools, the local-cpu pipeline deployment and a worker; (UI URL, runs)."""
@@ -80,7 +73,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**server_env(f"{url}/api", home), "PREFECT_UI_ENABLED": "true", "PREFECT_UI_API_URL": f"{url}/api"}
-    server = start(
+    server = start_process(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env,
         home / "server.log",
@@ -92,21 +85,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
         run_cli(env, sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--name", DEPLOYMENT)
         runs = tmp_path_factory.mktemp("runs")
         worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
-        worker = start(
-            [
-                sys.executable,
-                "-m",
-                "prefect",
-                "worker",
-                "start",
-                "--pool",
-                "tessera-cpu",
-                "--type",
-                "process",
-            ],
-            worker_env,
-            home / "worker.log",
-        )
+        worker = start_process(CPU_WORKER, worker_env, home / "worker.log")
         with temporary_settings({PREFECT_API_URL: f"{url}/api"}):
             yield url, runs
     finally:
