@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
+RESUME_GOAL_S = 30.0  # fault → training resumed, tiny model on CPU
 COLUMNS = (
     ("fault", "fault"),
     ("result", "result"),
@@ -46,6 +47,9 @@ def main(rows_path: Path) -> dict[str, Any]:
         "rows": rows,
         "every_class_handled": all(row["result"] in ("recovered", "failed clearly") for row in rows),
         "curves_matched": all(row["curve_matched"] is not False for row in rows),
+        "resumed_within_30s": all(
+            row["resume_s"] is None or row["resume_s"] <= RESUME_GOAL_S for row in rows
+        ),
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "faults.json").write_text(json.dumps(report, indent=2) + "\n")

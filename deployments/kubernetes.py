@@ -140,6 +140,8 @@ def render_manifests(spec: TrainingSpec, job: JobConfig) -> list[Manifest]:
     container["name"] = "trainer"
     container["ports"] = [{"name": "rdzv", "containerPort": RDZV_PORT}]
     container["volumeMounts"] = [{"name": "job", "mountPath": JOB_DIR, "readOnly": True}]
+    if spec.cluster.credentials_secret:  # a reference: the values stay in the cluster's Secret
+        container["envFrom"] = [{"secretRef": {"name": spec.cluster.credentials_secret}}]
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -40,6 +40,12 @@ class ClusterSpec(HardwareConfig):
         "tessera:latest", description="Container image with tessera and the accelerator stack (k8s pools)."
     )
     namespace: str = Field("default", description="Kubernetes namespace for the training job (k8s pools).")
+    credentials_secret: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="Kubernetes Secret whose keys become the trainer's environment, e.g. AWS_ACCESS_KEY_ID "
+        "for the buckets (k8s pools); the spec holds only its name. Process pools use the worker's environment.",
+    )
 
     @property
     def pool(self) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
@@ -33,3 +35,17 @@ def record(row: FaultRow) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with Path(path).open("a") as rows:
             rows.write(json.dumps(asdict(row)) + "\n")
+
+
+_LOG_TIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \[rank \d+\] [^\n]*?"
+
+
+def seconds_between(log: str, fault: str, then: str) -> float:
+    """Seconds from the trainer's log line containing ``fault`` to the next one containing ``then``
+    (the trainer logs ``%(asctime)s [rank N] message``)."""
+    start = re.search(_LOG_TIME + re.escape(fault), log)
+    assert start, f"no log line with {fault!r}"
+    end = re.compile(_LOG_TIME + re.escape(then)).search(log, start.end())
+    assert end, f"no log line with {then!r} after {fault!r}"
+    stamp = "%Y-%m-%d %H:%M:%S,%f"
+    return round((datetime.strptime(end[1], stamp) - datetime.strptime(start[1], stamp)).total_seconds(), 1)

@@ -138,7 +138,8 @@ def s3_bucket(_moto_endpoint: str) -> str:
 
 
 class FlakyProxy(ThreadingHTTPServer):
-    """Forwards HTTP requests to ``upstream``, answering every ``fail_every``-th one with a 503 instead."""
+    """Forwards HTTP requests to ``upstream``, answering every ``fail_every``-th one with
+    ``fail_status`` (503) instead."""
 
     daemon_threads = True
 
@@ -146,6 +147,7 @@ class FlakyProxy(ThreadingHTTPServer):
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.fail_every = fail_every
+        self.fail_status = 503  # 403 with fail_every=1: credentials that may not write, a permanent error
         self.requests = 0
         self.failures = 0
         self._lock = threading.Lock()
@@ -163,6 +165,9 @@ class FlakyProxy(ThreadingHTTPServer):
             return fail
 
 
+_ERROR_CODES = {503: "ServiceUnavailable", 403: "AccessDenied"}
+
+
 class _ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: FlakyProxy
@@ -170,11 +175,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.server.should_fail():
-            payload = b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>"
-            self.send_response(503)
+            status = self.server.fail_status
+            payload = (
+                f"<Error><Code>{_ERROR_CODES[status]}</Code><Message>injected</Message></Error>".encode()
+            )
+            self.send_response(status)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
-            self.wfile.write(payload)
+            if self.command != "HEAD":  # a body after a HEAD response would corrupt the connection
+                self.wfile.write(payload)
             return
         upstream = http.client.HTTPConnection(*self.server.upstream, timeout=30)
         headers = {
@@ -224,6 +233,5 @@ def flaky_s3_bucket(_moto_endpoint: str, s3_bucket: str) -> Iterator[FlakyStore]
 
 def _clear_fsspec_cache() -> None:
     """fsspec caches filesystem instances per constructor args: drop them so new env takes effect."""
-    for protocol in ("gs", "gcs", "s3"):
-        if protocol in fsspec.registry:
-            fsspec.registry[protocol].clear_instance_cache()
+    for protocol in ("gs", "s3"):  # by class: an instance made directly (s3fs.S3FileSystem()) is cached too
+        fsspec.get_filesystem_class(protocol).clear_instance_cache()

@@ -18,7 +18,9 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, Fl
 from prefect.client.schemas.objects import TaskRun
 
 from flows.pipeline import evaluate_checkpoints, train_pipeline
+from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import tiny_spec
+from tests.sockets import ListenerSampler
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.metrics import read_metrics
 
@@ -54,22 +56,26 @@ def training_workers(run_dir: Path) -> list[int]:
     return pids
 
 
-def kill_a_worker_at(run_dir: Path, step: int) -> threading.Thread:
-    """SIGKILL one training worker once the run has logged ``step`` (after a committed checkpoint)."""
+class Killer(threading.Thread):
+    """SIGKILLs one training worker once the run has logged ``step`` (after a committed checkpoint);
+    ``killed_at`` is the wall-clock time of the kill, for the reliability report."""
 
-    def watch() -> None:
+    def __init__(self, run_dir: Path, step: int) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.step = run_dir, step
+        self.killed_at: float | None = None
+        self.start()
+
+    def run(self) -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            records = read_metrics(run_dir / "metrics.jsonl")
-            workers = training_workers(run_dir)
-            if records and records[-1]["step"] >= step and workers:
+            records = read_metrics(self.run_dir / "metrics.jsonl")
+            workers = training_workers(self.run_dir)
+            if records and records[-1]["step"] >= self.step and workers:
                 os.kill(workers[-1], signal.SIGKILL)
+                self.killed_at = time.time()
                 return
             time.sleep(0.05)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
 
 
 def task_runs(flow_run_id: UUID) -> dict[str, TaskRun]:
@@ -95,17 +101,41 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
         tmp_path, "flow-fault", steps=12, interval=4, faults={"max_restarts": 0, "node_failure_retries": 1}
     )  # no in-job restart: the task retries
     run_dir = runs_dir / spec.name
-    killer = kill_a_worker_at(run_dir, step=5)
-    state = train_pipeline(spec, return_state=True)
+    killer = Killer(run_dir, step=5)
+    with ListenerSampler(os.getpid()) as sampler:
+        state = train_pipeline(spec, return_state=True)
     killer.join(timeout=1)
     assert state.is_completed(), state.message
+    assert killer.killed_at is not None
+
+    # Every port the run listened on (Prefect's server, gloo, loader workers) is on loopback, except
+    # torchrun's rendezvous store: torch 2.13's TCPStore binds all interfaces and has no option not to.
+    assert any("prefect.server" in s.argv for s in sampler.seen) and any(
+        "trainer.train" in s.argv for s in sampler.seen
+    )
+    exposed = {s for s in sampler.seen if not s.loopback}
+    assert all("torch.distributed.run" in s.argv for s in exposed), exposed
 
     runs = task_runs(state.state_details.flow_run_id)
     train = next(run for name, run in runs.items() if name.startswith("train"))
     assert train.run_count == 2, "the killed attempt was retried once"
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(
-        range(1, 13)
-    )  # resumed, no dupes
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in metrics] == list(range(1, 13))  # resumed, no dupes
+    (failed,) = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert (failed["kind"], failed["checkpoint_step"]) == ("node_failure", 4)
+    first_resumed = next(r for r in metrics if r["time"] > killer.killed_at)
+    assert first_resumed["step"] == 5
+    record(
+        FaultRow(
+            "kill -9 of a worker, no in-job restart (the Prefect task retries)",
+            "recovered",
+            failed["kind"],
+            round(failed["at"] - killer.killed_at, 1),
+            failed["last_step"] - failed["checkpoint_step"],
+            round(first_resumed["time"] - killer.killed_at, 1),  # includes Prefect's retry and relaunch
+            None,  # compared bitwise in tests/test_train.py; here the flow's artifacts are the subject
+        )
+    )
 
     checkpoints = list_checkpoints(str(run_dir / "checkpoints"))
     assert [(m.step, m.status) for m in checkpoints] == [
@@ -127,6 +157,7 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
     assert [e["step"] for e in evaluate_checkpoints(spec)] == [8]  # only the missing evaluation is redone
 
 
+@pytest.mark.fault
 def test_nan_loss_is_a_user_error_and_is_not_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_FAULT_NAN_AT_STEP", "2")
     spec = tiny_spec(tmp_path, "flow-nan", steps=4, faults={"node_failure_retries": 2, "max_restarts": 0})
@@ -137,3 +168,4 @@ def test_nan_loss_is_a_user_error_and_is_not_retried(tmp_path: Path, monkeypatch
     )
     assert train.run_count == 1 and train.state.is_failed()
     assert "user_error" in train.state.message
+    record(FaultRow("NaN loss (flow: not retried)", "failed clearly", "user_error", None, None, None, None))

@@ -70,6 +70,12 @@ def test_one_pod_per_node_with_the_nodes_chips_and_a_shared_rendezvous(name: str
     assert CHIP_RESOURCE[spec.cluster.accelerator] in tolerated
 
 
+def test_store_credentials_reach_the_pods_by_secret_name_only() -> None:
+    trainer = rendered("gpu-llama3-8b-h100")[2]["spec"]["template"]["spec"]["containers"][0]
+    assert trainer["envFrom"] == [{"secretRef": {"name": "tessera-s3"}}]
+    assert "envFrom" not in rendered("tpu-llama3-70b-v5p")[2]["spec"]["template"]["spec"]["containers"][0]
+
+
 def test_accelerator_specific_placement() -> None:
     gpu = rendered("gpu-llama3-8b-h100")[2]["spec"]["template"]["spec"]
     assert gpu["nodeSelector"]["node.kubernetes.io/instance-type"] == "p5.48xlarge"

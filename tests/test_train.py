@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from deployments.spec import TrainingSpec
+from tests.fault_report import FaultRow, record, seconds_between
 from tests.pipeline_specs import MICRO_MODEL
 from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
@@ -56,6 +58,13 @@ def spec_with(**sections: dict[str, Any]) -> dict[str, Any]:
 
 def job_of(spec: dict[str, Any]) -> JobConfig:
     return TrainingSpec.model_validate(spec).job_config(data_url=None)
+
+
+def steps_redone(output: str, completed: int) -> int:
+    """Steps completed before the fault that the resumed attempt had to train again."""
+    resumed = re.search(r"resumed from step (\d+)", output)
+    assert resumed, "no resume logged"
+    return completed - int(resumed[1])
 
 
 def curve(run_dir: Path) -> list[dict[str, Any]]:
@@ -190,6 +199,65 @@ def test_crash_restart_resume_matches_uninterrupted_curve(
     assert curve(run_dir) == curve(base / "a")  # bitwise, across the crash
     assert json.loads((run_dir / "status.json").read_text())["resumed_from"] == 4
     assert json.loads((run_dir / "job.json").read_text())["name"] == "train-test"
+    record(
+        FaultRow(
+            "kill -9 of one rank at step 6 (torchrun restarts the group)",
+            "recovered",
+            "node_failure",
+            None,
+            steps_redone(output, completed=5),
+            seconds_between(output, "injected fault", "resumed from step"),
+            True,
+        )
+    )
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_death_in_an_async_save_then_a_nan_that_torchrun_does_not_restart(
+    scenarios: tuple[Path, dict[str, str | None]],
+    tmp_path: Path,
+) -> None:
+    """Attempt 0 dies inside step 4's async checkpoint write; attempt 1 resumes from step 2 (never the
+    partial), rewrites step 4, then hits a NaN at step 6; attempt 2 refuses to repeat a user error."""
+    base, _ = scenarios
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(spec_with(checkpoint={"interval": 2, "mode": "async"}, faults={"max_restarts": 2}))
+    )
+    run_dir = tmp_path / "run"
+    faults = {"TESSERA_FAULT_KILL_IN_SAVE_AT_STEP": "4", "TESSERA_FAULT_NAN_AT_STEP": "6"}
+    done = subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "train", str(spec), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env={**launch_env(job_of(SPEC)), **faults},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output[-4000:]  # the user error's code, not a crash
+    assert "exitcode: -9" in output  # attempt 0 really lost a rank mid-save
+    assert "resumed from step 2" in output and "resumed from step 4" not in output
+    assert "loss is nan at step 6" in output
+    assert "attempt 1 failed with a user error, not retrying it: loss is nan at step 6" in output
+    manifests = list_checkpoints(str(run_dir / "checkpoints"))
+    assert [(m.step, m.status) for m in manifests] == [(2, "committed"), (4, "committed")]
+    assert curve(run_dir) == curve(base / "a")[:5]  # bitwise, across the death mid-save
+    record(
+        FaultRow(
+            "kill -9 inside an async checkpoint write (step 4)",
+            "recovered",
+            "node_failure",
+            None,
+            steps_redone(output, completed=4),  # steps 3 and 4: one checkpoint interval
+            seconds_between(output, "injected fault", "resumed from step"),
+            True,
+        )
+    )
+    record(
+        FaultRow("NaN loss under torchrun restarts", "failed clearly", "user_error", None, None, None, None)
+    )
 
 
 # ------------------------------------------------------------------------------- without torchrun

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from tests.dist.ckpt_common import JOB, TOKENS_PER_STEP, Trainee
-from trainer.checkpoint import CheckpointManager, CheckpointMismatch, CheckpointStoreError, read_manifest
+from tests.fault_report import FaultRow, record
+from trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointMismatch,
+    CheckpointStoreError,
+    list_checkpoints,
+    read_manifest,
+)
 from trainer.checkpoint.validate import load_and_check, validate_checkpoint
 from trainer.config import CheckpointConfig, JobConfig
 
@@ -51,6 +59,7 @@ def test_valid_checkpoint_is_loaded_by_another_world_size_and_marked_validated(c
     assert (latest.step, latest.status) == (2, "validated")
 
 
+@pytest.mark.fault
 def test_flipped_byte_marks_corrupt_and_latest_falls_back(copy: Path) -> None:
     shard = copy / "step-000002" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -62,8 +71,8 @@ def test_flipped_byte_marks_corrupt_and_latest_falls_back(copy: Path) -> None:
     assert result.reason == "sha256 mismatch: __0_0.distcp"
     manifest = read_manifest(str(copy / "step-000002"))
     assert (manifest.status, manifest.reason) == ("corrupt", result.reason)
-    manager = CheckpointManager(str(copy), CheckpointConfig(), 1, JOB.model_fingerprint(), 1, 0, {})
-    assert manager.latest().step == 1
+    assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
+    record_fallback("flipped byte in the newest checkpoint (found by validation)", 1)
 
 
 def test_non_finite_weights_fail_the_load_check(tmp_path: Path) -> None:
@@ -86,3 +95,54 @@ def test_other_model_and_partial_writes_are_refused(copy: Path) -> None:
     (copy / "step-000002" / "tessera.json").unlink()
     with pytest.raises(CheckpointStoreError, match=r"step-000002 has no tessera\.json manifest"):
         validate_checkpoint(str(copy / "step-000002"), JOB)
+
+
+def record_fallback(fault: str, restored: int) -> None:
+    """A report row: the newest checkpoint (step 2) was bad and resume fell back to ``restored``."""
+    record(
+        FaultRow(fault, "recovered", "corrupt checkpoint, older one resumed", None, 2 - restored, None, None)
+    )
+
+
+def restore(url: Path) -> tuple[int | None, list[tuple[int, str]]]:
+    """Resume into a fresh trainee: the step restored and every checkpoint's (step, status) after."""
+    manager = CheckpointManager(str(url), CheckpointConfig(), 1, JOB.model_fingerprint(), 1, 0, {})
+    restored = manager.restore(Trainee(world=1, rank=0).state())
+    return (restored.step if restored else None), [(m.step, m.status) for m in list_checkpoints(str(url))]
+
+
+@pytest.mark.fault
+def test_truncated_shard_is_marked_corrupt_on_resume_and_the_older_one_is_used(copy: Path) -> None:
+    shard = copy / "step-000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
+    assert read_manifest(str(copy / "step-000002")).reason.startswith(
+        "files truncated or missing: __0_0.distcp"
+    )
+    assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])  # the retry does not trip on it again
+    record_fallback("truncated shard in the newest checkpoint", 1)
+
+
+@pytest.mark.fault
+def test_shard_that_fails_to_load_is_marked_corrupt_and_the_older_one_is_used(copy: Path) -> None:
+    shard = copy / "step-000002" / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))  # right size, garbage content: only a load can tell
+    assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
+    assert "loading checkpoint" in read_manifest(str(copy / "step-000002")).reason
+    record_fallback("garbage shard content in the newest checkpoint", 1)
+
+
+@pytest.mark.fault
+def test_deleted_manifest_makes_a_partial_that_resume_skips(copy: Path) -> None:
+    (copy / "step-000002" / "tessera.json").unlink()
+    assert restore(copy) == (1, [(1, "committed")])
+    record_fallback("manifest of the newest checkpoint deleted", 1)
+
+
+def test_no_loadable_checkpoint_fails_once_then_the_retry_starts_fresh(copy: Path) -> None:
+    for step in (1, 2):
+        shard = copy / f"step-00000{step}" / "__0_0.distcp"
+        shard.write_bytes(bytes(shard.stat().st_size))
+    with pytest.raises(CheckpointError, match=r"no checkpoint under .* loads"):
+        restore(copy)
+    assert restore(copy) == (None, [(1, "corrupt"), (2, "corrupt")])

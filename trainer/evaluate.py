@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -40,9 +39,7 @@ def load_model(step_url: str, job: JobConfig) -> tuple[int, Transformer]:
             f"{job.model_fingerprint()}; evaluate it with the job config it was saved from"
         )
     model = Transformer(job.model, max_seq_len=job.train.seq_len)
-    dcp.load(
-        {APP_KEY: {"model": model.state_dict()}}, storage_reader=store.storage_reader(step_url), no_dist=True
-    )
+    store.load({APP_KEY: {"model": model.state_dict()}}, step_url, no_dist=True)
     return manifest.step, model.eval()
 
 

@@ -12,14 +12,21 @@ A training attempt ends in one of three ways, and only one of them deserves a re
   model shape, out of memory on the first step (:data:`EXIT_USER_ERROR`), or any other Python
   exception raised by a rank. Retrying would fail the same way, so the orchestrator fails fast.
 
+torchrun restarts the workers after any failure (``--max-restarts``), user errors included; a rank that
+fails with one leaves :data:`USER_ERROR_FILE` in the run directory, and a restarted rank that finds it
+exits at once with the same message instead of failing the same way again (:func:`restarted_after_user_error`).
+
 torchrun always exits 1 when a worker fails; the worker's own exit code is in the "Root Cause"
 block it prints (``exitcode  : -9 (pid: 123)  (SIGKILL)``), so classification reads the log tail.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
+from pathlib import Path
 from typing import Literal
 
 EXIT_OK = 0
@@ -28,6 +35,7 @@ EXIT_HANG = 4  # the step watchdog fired: treated as a node failure
 EXIT_INFRA = 5  # the store, the network or a loader worker failed under the job: a node failure
 
 FailureKind = Literal["ok", "user_error", "node_failure"]
+USER_ERROR_FILE = "user_error.json"
 
 
 class UserError(Exception):
@@ -77,6 +85,39 @@ def is_infra_error(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def _launch() -> tuple[str, int]:
+    """This torchrun launch's id and how many times it has restarted its workers."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", ""), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def record_user_error(run_dir: Path, message: str) -> None:
+    """Note a user error of this attempt for the launch's next restart (any rank may; last one wins)."""
+    run_id, restart = _launch()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f"{USER_ERROR_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps({"run_id": run_id, "attempt": restart, "message": message}))
+    tmp.replace(run_dir / USER_ERROR_FILE)
+
+
+def restarted_after_user_error(run_dir: Path) -> str | None:
+    """On a torchrun restart after a user error in the same launch, that error's message; else None.
+
+    A new launch (restart count 0, e.g. after the user fixed the spec) clears the old note.
+    """
+    note = run_dir / USER_ERROR_FILE
+    run_id, restart = _launch()
+    if restart == 0:
+        note.unlink(missing_ok=True)
+        return None
+    try:
+        recorded = json.loads(note.read_text())
+    except (OSError, ValueError):
+        return None
+    if recorded.get("run_id") != run_id:
+        return None
+    return f"attempt {recorded['attempt']} failed with a user error, not retrying it: {recorded['message']}"
 
 
 def _root_cause(log_tail: str) -> str | None:

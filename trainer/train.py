@@ -38,7 +38,15 @@ from trainer.checkpoint import CheckpointError, CheckpointManager, ModelOptimize
 from trainer.config import JobConfig
 from trainer.data import build_loader
 from trainer.data.errors import DataError
-from trainer.failures import EXIT_INFRA, EXIT_OK, EXIT_USER_ERROR, UserError, is_infra_error
+from trainer.failures import (
+    EXIT_INFRA,
+    EXIT_OK,
+    EXIT_USER_ERROR,
+    UserError,
+    is_infra_error,
+    record_user_error,
+    restarted_after_user_error,
+)
 from trainer.faults import FaultInjector
 from trainer.metrics import MetricsWriter
 from trainer.optim import build_optimizer, build_scheduler
@@ -85,6 +93,7 @@ def train(job: JobConfig, run_dir: Path) -> TrainResult:
         "rng": RNGState(rank),
         "loader": loader,
     }
+    faults = FaultInjector.from_env()
     ckpt = CheckpointManager(
         job.checkpoint.url or str(run_dir / "checkpoints"),
         job.checkpoint,
@@ -93,8 +102,8 @@ def train(job: JobConfig, run_dir: Path) -> TrainResult:
         world,
         rank,
         layout=job.parallel.model_dump(),
+        wrap_writer=lambda writer, step: faults.checkpoint_writer(writer, step, rank, world),
     )
-    faults = FaultInjector.from_env()
     n_micro = job.train.global_batch_size // (model.dp_size * job.train.micro_batch_size)
     tokens_per_step = job.train.global_batch_size * job.train.seq_len
     flops_per_step = plan_for_job(job).flops_per_step
@@ -102,12 +111,11 @@ def train(job: JobConfig, run_dir: Path) -> TrainResult:
     max_norm = job.optimizer.grad_clip or math.inf  # inf: measure the norm, never clip
     loss_value = None
     try:
-        latest = ckpt.latest()
+        restored = ckpt.restore(state)
         start = 0
-        if latest is not None:
-            ckpt.load(latest, state)
-            start = latest.step
-            log.info("resumed from step %d (%s)", start, latest.url)
+        if restored is not None:
+            start = restored.step
+            log.info("resumed from step %d (%s)", start, restored.url)
         schedulers = [
             build_scheduler(opt, job.optimizer, job.train.steps, steps_done=start) for opt in optimizers
         ]
@@ -138,6 +146,7 @@ def train(job: JobConfig, run_dir: Path) -> TrainResult:
                     metrics.write(
                         {
                             "step": step,
+                            "time": time.time(),  # wall clock: lines up a run's metrics with its logs
                             "loss": loss_value,
                             "lr": lr,
                             "grad_norm": grad_norm,
@@ -209,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(message)s", force=True, stream=sys.stdout
     )
+    previous = restarted_after_user_error(args.run_dir)
+    if previous is not None:  # it would fail the same way again: use up no time, no restart budget
+        print(f"error: [rank {rank}] {previous}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     try:
         result = train(load_job(args.spec), args.run_dir)
     except Exception as exc:
@@ -217,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"error: [rank {rank}] infrastructure failure, retryable: {exc}", file=sys.stderr, flush=True
             )
             return EXIT_INFRA
-        if not isinstance(exc, UserError | CheckpointError | DataError):
+        expected = isinstance(exc, UserError | CheckpointError | DataError)
+        first_line = next(iter(str(exc).splitlines()), "")
+        record_user_error(args.run_dir, first_line if expected else f"{type(exc).__name__}: {first_line}")
+        if not expected:
             raise  # a bug: @record keeps the traceback for the launcher's report
         # One line, no traceback: the message names the input and the fix (exit code: trainer.failures).
         print(f"error: [rank {rank}] {exc}", file=sys.stderr, flush=True)

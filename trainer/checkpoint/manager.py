@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -22,9 +23,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from trainer.checkpoint import store
-from trainer.checkpoint.errors import CheckpointMismatch
+from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
 from trainer.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -37,6 +39,7 @@ from trainer.checkpoint.manifest import (
 )
 from trainer.checkpoint.state import ModelOptimizerState, RNGState
 from trainer.config import CheckpointConfig
+from trainer.failures import is_infra_error
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class CheckpointManager:
         world_size: int,
         rank: int,
         layout: dict[str, Any],
+        wrap_writer: Callable[[StorageWriter, int], StorageWriter] | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.cfg = cfg
@@ -61,6 +65,7 @@ class CheckpointManager:
         self.world_size = world_size
         self.rank = rank
         self.layout = layout
+        self.wrap_writer = wrap_writer  # (writer, step) -> writer: the fault tests' hook into a save
         # Seconds checkpointing blocked the caller since the previous maybe_save: this call, plus any
         # optimizer step that waited for a background copy (summing it over steps gives the total).
         self.last_stall_s = 0.0
@@ -84,6 +89,37 @@ class CheckpointManager:
         good = [m for m in list_checkpoints(self.url) if m.good]
         return good[-1] if good else None
 
+    def restore(self, state: dict[str, Stateful]) -> Manifest | None:
+        """Load the newest good checkpoint that loads into ``state``; None if there is none.
+
+        A checkpoint whose files are truncated or missing, or that fails to load, is marked corrupt
+        (with the reason) and the next older one is tried: a retried job never trips on it again, so
+        one bad checkpoint costs one checkpoint interval, not a crash loop. Truncation is caught by a
+        size check against the manifest (one listing); flipped bytes are left to the validation task,
+        since hashing every shard at each resume would cost minutes on a large model.
+        """
+        touched = False  # a failed load may have overwritten part of ``state``
+        for manifest in reversed([m for m in list_checkpoints(self.url) if m.good]):
+            problem = self._rank0_says(_size_problem(manifest) if self.rank == 0 else "")
+            if not problem:
+                try:
+                    touched = True
+                    self.load(manifest, state)
+                    return manifest
+                except CheckpointMismatch:
+                    raise
+                except CheckpointError as exc:
+                    if is_infra_error(exc):  # the store failed, not the checkpoint: the retry reloads it
+                        raise
+                    problem = str(exc)
+            self._mark_corrupt(manifest, problem)
+        if touched:
+            raise CheckpointError(
+                f"no checkpoint under {self.url} loads: each is now marked corrupt, with the reason in its "
+                "tessera.json; rerunning starts from step 0 unless a good checkpoint is put back"
+            )
+        return None
+
     def load(self, manifest: Manifest, state: dict[str, Stateful]) -> None:
         """Load ``manifest``'s checkpoint into ``state`` in place, resharding to this job's layout."""
         if manifest.model_fingerprint != self.model_fingerprint:
@@ -100,7 +136,7 @@ class CheckpointManager:
                 self.world_size,
                 skipped,
             )
-        dcp.load(state, storage_reader=store.storage_reader(manifest.url), no_dist=not self._distributed)
+        store.load(state, manifest.url, no_dist=not self._distributed)
         log.info("loaded checkpoint %s (step %d)", manifest.url, manifest.step)
 
     def maybe_save(
@@ -131,8 +167,11 @@ class CheckpointManager:
             meta=meta,
         )
         writer = store.storage_writer(step_url)
+        if self.wrap_writer is not None:
+            writer = self.wrap_writer(writer, step)
         if self.cfg.mode == "sync":
-            dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
+            with store.dcp_errors("saving", step_url):
+                dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
             if self.rank == 0:
                 self._commit_and_retain(manifest, step_url)
         else:
@@ -166,10 +205,13 @@ class CheckpointManager:
             self._stager.close()
 
     def _wait(self) -> None:
-        for future in (self._staging, self._upload, self._commit):
-            if future is not None:
-                future.result()
-        self._staging = self._upload = self._commit = None
+        try:
+            with store.dcp_errors("saving", self.url):
+                for future in (self._staging, self._upload, self._commit):
+                    if future is not None:
+                        future.result()
+        finally:
+            self._staging = self._upload = self._commit = None
 
     def _guard_optimizers(self, state: dict[str, Stateful]) -> None:
         """Make every optimizer step wait until the save in flight has copied the state.
@@ -191,6 +233,23 @@ class CheckpointManager:
             self._staging = None
             self._hook_stall_s += time.perf_counter() - start
 
+    def _rank0_says(self, value: str) -> str:
+        """Rank 0's ``value`` on every rank: each rank's own listing could differ, and a rank that
+        loads while another falls back would deadlock in the load's collectives."""
+        if not self._distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _mark_corrupt(self, manifest: Manifest, reason: str) -> None:
+        log.error("checkpoint %s is corrupt, falling back to an older one: %s", manifest.url, reason)
+        if self.rank == 0:
+            manifest.status, manifest.reason = "corrupt", reason
+            write_manifest(manifest, manifest.url)
+        if self._distributed:
+            dist.barrier()
+
     def _clear(self, step_url: str) -> None:
         """Remove leftovers of an earlier attempt at this step, so they cannot mix with the new files.
 
@@ -198,9 +257,10 @@ class CheckpointManager:
         """
         if self.rank == 0:
             fs, path = store.open_url(step_url)
-            if fs.exists(path):
-                log.info("removing partial checkpoint %s before rewriting it", step_url)
-                fs.rm(path, recursive=True)
+            with store.store_errors("remove the partial checkpoint", step_url):
+                if fs.exists(path):
+                    log.info("removing partial checkpoint %s before rewriting it", step_url)
+                    fs.rm(path, recursive=True)
         if self._distributed:
             dist.barrier()
 
@@ -221,6 +281,21 @@ class CheckpointManager:
         }
         for step in steps_to_delete(statuses, self.cfg.keep_last, self.cfg.keep_every):
             delete_checkpoint(dirs[step])
+
+
+def _size_problem(manifest: Manifest) -> str:
+    """'' if every file the manifest lists is there with its recorded size; else what is not."""
+    fs, root = store.open_url(manifest.url)
+    fs.invalidate_cache(root)
+    with store.store_errors("list", manifest.url):
+        listing = fs.ls(root, detail=True)
+    sizes = {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info["size"]) for info in listing}
+    wrong = [
+        f"{name} ({sizes.get(name, 'missing')}, expected {digest.size} bytes)"
+        for name, digest in manifest.files.items()
+        if sizes.get(name) != digest.size
+    ]
+    return f"files truncated or missing: {', '.join(wrong)}" if wrong else ""
 
 
 def _stager(mode: str) -> DefaultStager | None:
@@ -262,7 +337,8 @@ def delete_checkpoint(step_url: str) -> None:
     with files missing."""
     fs, path = store.open_url(step_url)
     manifest_path = store.join(path, MANIFEST_NAME)
-    if fs.exists(manifest_path):
-        fs.rm(manifest_path)
-    fs.rm(path, recursive=True)
+    with store.store_errors("delete", step_url):
+        if fs.exists(manifest_path):
+            fs.rm(manifest_path)
+        fs.rm(path, recursive=True)
     log.info("deleted checkpoint %s", step_url)

@@ -13,7 +13,6 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from trainer.checkpoint import store
-from trainer.checkpoint.errors import CheckpointStoreError
 
 MANIFEST_NAME = "tessera.json"
 FORMAT_VERSION = 1
@@ -72,11 +71,13 @@ def write_manifest(manifest: Manifest, step_url: str) -> None:
 
 def read_manifest(step_url: str) -> Manifest | None:
     """The manifest of one checkpoint directory, or None when there is none (a partial write)."""
-    fs, path = store.open_url(store.join(step_url, MANIFEST_NAME))
-    try:
-        data = fs.cat_file(path)
-    except FileNotFoundError:
-        return None
+    url = store.join(step_url, MANIFEST_NAME)
+    fs, path = store.open_url(url)
+    with store.store_errors("read", url):
+        try:
+            data = fs.cat_file(path)
+        except FileNotFoundError:
+            return None
     return Manifest.from_json(data, step_url.rstrip("/"))
 
 
@@ -84,14 +85,11 @@ def step_dirs(url: str) -> dict[int, str]:
     """Every ``step-N`` directory under ``url`` (committed or not), by step; {} if ``url`` is absent."""
     fs, root = store.open_url(url)
     fs.invalidate_cache(root)  # another process may have written since this fs instance last listed
-    try:
-        entries = fs.ls(root, detail=False)
-    except FileNotFoundError:
-        return {}
-    except Exception as exc:  # botocore/gcsfs errors are not OSErrors; the cause keeps them classifiable
-        raise CheckpointStoreError(
-            f"cannot list checkpoints at {url!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+    with store.store_errors("list checkpoints at", url):
+        try:
+            entries = fs.ls(root, detail=False)
+        except FileNotFoundError:
+            return {}
     steps = {}
     for entry in entries:
         match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
@@ -111,8 +109,9 @@ def digest_files(step_url: str) -> dict[str, FileDigest]:
     fs, root = store.open_url(step_url)
     fs.invalidate_cache(root)
     digests = {}
-    for info in fs.ls(root, detail=True):
-        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-        if info["type"] == "file" and name != MANIFEST_NAME and not name.startswith(MANIFEST_NAME):
-            digests[name] = FileDigest(sha256=store.sha256_of(fs, info["name"]), size=int(info["size"]))
+    with store.store_errors("hash the files of", step_url):
+        for info in fs.ls(root, detail=True):
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if info["type"] == "file" and name != MANIFEST_NAME and not name.startswith(MANIFEST_NAME):
+                digests[name] = FileDigest(sha256=store.sha256_of(fs, info["name"]), size=int(info["size"]))
     return dict(sorted(digests.items()))

@@ -1,0 +1,78 @@
+"""Checkpoints on an object store that misbehaves: moto's S3 server behind a proxy that answers every
+Nth request with 503 (retried, nothing lost), or 403 to every request (one line naming the URL, not
+retried as infrastructure)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist.ckpt_common import JOB, Trainee
+from tests.fault_report import FaultRow, record
+from tests.stores import FlakyStore
+from trainer.checkpoint import CheckpointManager, CheckpointStoreError, list_checkpoints
+from trainer.config import CheckpointConfig
+from trainer.failures import is_infra_error
+
+pytestmark = [pytest.mark.store, pytest.mark.fault]
+
+
+def manager(url: str, mode: str = "sync") -> CheckpointManager:
+    return CheckpointManager(url, CheckpointConfig(mode=mode), 1, JOB.model_fingerprint(), 1, 0, {})
+
+
+def test_save_and_resume_ride_out_503s(flaky_s3_bucket: FlakyStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")  # the fixture turns client retries off; checkpoints rely on them
+    flaky_s3_bucket.proxy.fail_every = 8
+    url = f"{flaky_s3_bucket.url}/ckpt-503"
+    trainee = Trainee(world=1, rank=0)
+    saver = manager(url, mode="async")
+    for step in (1, 2):
+        trainee.step()
+        saver.maybe_save(step, trainee.state(), {"tokens": step})
+    saver.close()
+    saved_failures = flaky_s3_bucket.proxy.failures
+    assert [(m.step, m.status) for m in list_checkpoints(url)] == [(1, "committed"), (2, "committed")]
+
+    resumed = Trainee(world=1, rank=0)
+    restored = manager(url).restore(resumed.state())
+    assert restored is not None and restored.step == 2
+    for name, value in trainee.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
+    assert saved_failures > 0 and flaky_s3_bucket.proxy.failures > saved_failures  # both ways hit 503s
+    record(
+        FaultRow(
+            f"checkpoint store answers 503 to every 8th request ({flaky_s3_bucket.proxy.failures} in all)",
+            "recovered",
+            "retried per request",
+            None,
+            0,
+            None,
+            None,
+        )
+    )
+
+
+def test_denied_requests_are_one_line_naming_the_url_and_not_retried(flaky_s3_bucket: FlakyStore) -> None:
+    url = f"{flaky_s3_bucket.url}/ckpt-403"
+    saver = manager(url)
+    trainee = Trainee(world=1, rank=0)
+    trainee.step()
+    flaky_s3_bucket.proxy.fail_every, flaky_s3_bucket.proxy.fail_status = 1, 403
+    with pytest.raises(CheckpointStoreError) as error:
+        saver.maybe_save(1, trainee.state(), {"tokens": 1})
+    message = str(error.value)
+    assert f"{url}/step-000001" in message and "PermissionError" in message, message
+    assert "\n" not in message
+    assert not is_infra_error(error.value)  # a retry would be denied the same way
+    record(
+        FaultRow(
+            "checkpoint store denies every request (403)",
+            "failed clearly",
+            "user_error",
+            None,
+            None,
+            None,
+            None,
+        )
+    )
