@@ -21,6 +21,7 @@ import http.client
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Literal
 
 # Set before anything imports gcsfs: its bucket-type probe over gRPC hangs ~60 s per call on the emulator.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -138,8 +140,8 @@ def s3_bucket(_moto_endpoint: str) -> str:
 
 
 class FlakyProxy(ThreadingHTTPServer):
-    """Forwards HTTP requests to ``upstream``, answering every ``fail_every``-th one with
-    ``fail_status`` (503) instead."""
+    """Forwards HTTP requests to ``upstream``, failing every ``fail_every``-th one instead with
+    ``fault``: a 503, a 403, or a ``reset`` (the connection dropped with a TCP RST, no response)."""
 
     daemon_threads = True
 
@@ -147,7 +149,7 @@ class FlakyProxy(ThreadingHTTPServer):
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream = (host, int(port))
         self.fail_every = fail_every
-        self.fail_status = 503  # 403 with fail_every=1: credentials that may not write, a permanent error
+        self.fault: Literal["503", "403", "reset"] = "503"  # 403 with fail_every=1: a permanent error
         self.requests = 0
         self.failures = 0
         self._lock = threading.Lock()
@@ -175,7 +177,13 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _forward(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         if self.server.should_fail():
-            status = self.server.fail_status
+            if self.server.fault == "reset":
+                # SO_LINGER 0: close() sends RST, what a crashed load balancer or a dropped flow looks like
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
+                return
+            status = int(self.server.fault)
             payload = (
                 f"<Error><Code>{_ERROR_CODES[status]}</Code><Message>injected</Message></Error>".encode()
             )

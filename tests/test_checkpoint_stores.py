@@ -1,8 +1,10 @@
 """Checkpoints on an object store that misbehaves: moto's S3 server behind a proxy that answers every
-Nth request with 503 (retried, nothing lost), or 403 to every request (one line naming the URL, not
-retried as infrastructure)."""
+Nth request with a 503 or a dropped connection (retried, nothing lost), or 403 to every request (one
+line naming the URL, not retried as infrastructure)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import pytest
 import torch
@@ -21,10 +23,13 @@ def manager(url: str, mode: str = "sync") -> CheckpointManager:
     return CheckpointManager(url, CheckpointConfig(mode=mode), 1, JOB.model_fingerprint(), 1, 0, {})
 
 
-def test_save_and_resume_ride_out_503s(flaky_s3_bucket: FlakyStore, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fault", ["503", "reset"])
+def test_save_and_resume_ride_out_store_errors(
+    fault: Literal["503", "reset"], flaky_s3_bucket: FlakyStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("AWS_MAX_ATTEMPTS")  # the fixture turns client retries off; checkpoints rely on them
-    flaky_s3_bucket.proxy.fail_every = 8
-    url = f"{flaky_s3_bucket.url}/ckpt-503"
+    flaky_s3_bucket.proxy.fail_every, flaky_s3_bucket.proxy.fault = 8, fault
+    url = f"{flaky_s3_bucket.url}/ckpt-{fault}"
     trainee = Trainee(world=1, rank=0)
     saver = manager(url, mode="async")
     for step in (1, 2):
@@ -42,7 +47,7 @@ def test_save_and_resume_ride_out_503s(flaky_s3_bucket: FlakyStore, monkeypatch:
     assert saved_failures > 0 and flaky_s3_bucket.proxy.failures > saved_failures  # both ways hit 503s
     record(
         FaultRow(
-            f"checkpoint store answers 503 to every 8th request ({flaky_s3_bucket.proxy.failures} in all)",
+            f"checkpoint store fails every 8th request with {fault} ({flaky_s3_bucket.proxy.failures} in all)",
             "recovered",
             "retried per request",
             None,
@@ -58,7 +63,7 @@ def test_denied_requests_are_one_line_naming_the_url_and_not_retried(flaky_s3_bu
     saver = manager(url)
     trainee = Trainee(world=1, rank=0)
     trainee.step()
-    flaky_s3_bucket.proxy.fail_every, flaky_s3_bucket.proxy.fail_status = 1, 403
+    flaky_s3_bucket.proxy.fail_every, flaky_s3_bucket.proxy.fault = 1, "403"
     with pytest.raises(CheckpointStoreError) as error:
         saver.maybe_save(1, trainee.state(), {"tokens": 1})
     message = str(error.value)

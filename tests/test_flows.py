@@ -1,11 +1,13 @@
 """The pipeline flow in-process against a real Prefect server and real torchrun workers: a worker
-SIGKILLed mid-training is retried as a node failure and the run completes with every artifact; a
-NaN loss is a user error and is not retried; catch-up evaluation picks up what was missed."""
+SIGKILLed mid-training is retried as a node failure and the run completes with every artifact (and
+every port it opened was on loopback); a NaN loss is a user error and is not retried; a crash on every
+attempt exhausts the retry budget and fails with a summary; catch-up evaluation picks up what was missed."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -169,3 +171,36 @@ def test_nan_loss_is_a_user_error_and_is_not_retried(tmp_path: Path, monkeypatch
     assert train.run_count == 1 and train.state.is_failed()
     assert "user_error" in train.state.message
     record(FaultRow("NaN loss (flow: not retried)", "failed clearly", "user_error", None, None, None, None))
+
+
+@pytest.mark.fault
+def test_a_fault_on_every_attempt_exhausts_the_retries_and_fails_with_a_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each retry is a fresh torchrun, so the crash hook fires again: node failures with no end.
+    monkeypatch.setenv("TESSERA_FAULT_CRASH_AT_STEP", "4")
+    spec = tiny_spec(
+        tmp_path, "flow-exhausted", steps=6, interval=2, faults={"max_restarts": 0, "node_failure_retries": 1}
+    )
+    state = train_pipeline(spec, return_state=True)
+    assert state.is_failed()
+    train = next(
+        run for name, run in task_runs(state.state_details.flow_run_id).items() if name.startswith("train")
+    )
+    assert train.run_count == 2, "one try plus the one retry the budget allows, then no more"
+    message = train.state.message
+    assert (
+        "2 failed attempt(s): node_failure (exit -9) at step 3, node_failure (exit -9) at step 3" in message
+    )
+    assert "2 step(s) lost; last good checkpoint: step 2 (" in message
+    record(
+        FaultRow(
+            "kill -9 on every attempt (retry budget exhausted)",
+            "failed clearly",
+            "node_failure",
+            None,
+            int(re.search(r"(\d+) step\(s\) lost", message)[1]),
+            None,
+            None,
+        )
+    )
