@@ -86,6 +86,10 @@ def task_runs(flow_run_id: UUID) -> dict[str, TaskRun]:
     return {run.name: run for run in runs}
 
 
+def train_task_run(flow_run_id: UUID) -> TaskRun:
+    return next(run for name, run in task_runs(flow_run_id).items() if name.startswith("train"))
+
+
 def artifact_keys(prefix: str) -> set[str]:
     keys = {f"{prefix}-{kind}" for kind in ("plan", "progress", "eval", "loss-curve", "report")}
     with get_client(sync_client=True) as client:
@@ -118,8 +122,7 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
     exposed = {s for s in sampler.seen if not s.loopback}
     assert all("torch.distributed.run" in s.argv for s in exposed), exposed
 
-    runs = task_runs(state.state_details.flow_run_id)
-    train = next(run for name, run in runs.items() if name.startswith("train"))
+    train = train_task_run(state.state_details.flow_run_id)
     assert train.run_count == 2, "the killed attempt was retried once"
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in metrics] == list(range(1, 13))  # resumed, no dupes
@@ -165,9 +168,7 @@ def test_nan_loss_is_a_user_error_and_is_not_retried(tmp_path: Path, monkeypatch
     spec = tiny_spec(tmp_path, "flow-nan", steps=4, faults={"node_failure_retries": 2, "max_restarts": 0})
     state = train_pipeline(spec, return_state=True)
     assert state.is_failed()
-    train = next(
-        run for name, run in task_runs(state.state_details.flow_run_id).items() if name.startswith("train")
-    )
+    train = train_task_run(state.state_details.flow_run_id)
     assert train.run_count == 1 and train.state.is_failed()
     assert "user_error" in train.state.message
     record(FaultRow("NaN loss (flow: not retried)", "failed clearly", "user_error", None, None, None, None))
@@ -184,9 +185,7 @@ def test_a_fault_on_every_attempt_exhausts_the_retries_and_fails_with_a_summary(
     )
     state = train_pipeline(spec, return_state=True)
     assert state.is_failed()
-    train = next(
-        run for name, run in task_runs(state.state_details.flow_run_id).items() if name.startswith("train")
-    )
+    train = train_task_run(state.state_details.flow_run_id)
     assert train.run_count == 2, "one try plus the one retry the budget allows, then no more"
     message = train.state.message
     assert (

@@ -60,6 +60,22 @@ def job_of(spec: dict[str, Any]) -> JobConfig:
     return TrainingSpec.model_validate(spec).job_config(data_url=None)
 
 
+def tessera_train(spec: dict[str, Any], run_dir: Path, faults: dict[str, str]) -> tuple[int, str]:
+    """``tessera train`` of ``spec`` into ``run_dir`` with the ``TESSERA_FAULT_*`` hooks in ``faults``:
+    its exit code and everything it printed."""
+    spec_file = run_dir.with_suffix(".yaml")
+    spec_file.write_text(yaml.safe_dump(spec))
+    done = subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "train", str(spec_file), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env={**launch_env(job_of(spec)), **faults},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
 def steps_redone(output: str, completed: int) -> int:
     """Steps completed before the fault that the resumed attempt had to train again."""
     resumed = re.search(r"resumed from step (\d+)", output)
@@ -181,19 +197,13 @@ def test_crash_restart_resume_matches_uninterrupted_curve(
     tmp_path: Path,
 ) -> None:
     base, _ = scenarios
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(spec_with(checkpoint={"mode": "sync"}, faults={"max_restarts": 1})))
     run_dir = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "deployments.cli", "train", str(spec), "--run-dir", str(run_dir)],
-        cwd=REPO,
-        env={**launch_env(job_of(SPEC)), "TESSERA_FAULT_CRASH_AT_STEP": "6"},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+    returncode, output = tessera_train(
+        spec_with(checkpoint={"mode": "sync"}, faults={"max_restarts": 1}),
+        run_dir,
+        {"TESSERA_FAULT_CRASH_AT_STEP": "6"},
     )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
+    assert returncode == 0, output[-4000:]
     assert "exitcode: -9" in output  # the first attempt really lost a rank to SIGKILL
     assert "resumed from step 4" in output
     assert curve(run_dir) == curve(base / "a")  # bitwise, across the crash
@@ -221,22 +231,13 @@ def test_death_in_an_async_save_then_a_nan_that_torchrun_does_not_restart(
     """Attempt 0 dies inside step 4's async checkpoint write; attempt 1 resumes from step 2 (never the
     partial), rewrites step 4, then hits a NaN at step 6; attempt 2 refuses to repeat a user error."""
     base, _ = scenarios
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        yaml.safe_dump(spec_with(checkpoint={"interval": 2, "mode": "async"}, faults={"max_restarts": 2}))
-    )
     run_dir = tmp_path / "run"
-    faults = {"TESSERA_FAULT_KILL_IN_SAVE_AT_STEP": "4", "TESSERA_FAULT_NAN_AT_STEP": "6"}
-    done = subprocess.run(
-        [sys.executable, "-m", "deployments.cli", "train", str(spec), "--run-dir", str(run_dir)],
-        cwd=REPO,
-        env={**launch_env(job_of(SPEC)), **faults},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
+    returncode, output = tessera_train(
+        spec_with(checkpoint={"interval": 2, "mode": "async"}, faults={"max_restarts": 2}),
+        run_dir,
+        {"TESSERA_FAULT_KILL_IN_SAVE_AT_STEP": "4", "TESSERA_FAULT_NAN_AT_STEP": "6"},
     )
-    output = done.stdout + done.stderr
-    assert done.returncode == 3, output[-4000:]  # the user error's code, not a crash
+    assert returncode == 3, output[-4000:]  # the user error's code, not a crash
     assert "exitcode: -9" in output  # attempt 0 really lost a rank mid-save
     assert "resumed from step 2" in output and "resumed from step 4" not in output
     assert "loss is nan at step 6" in output

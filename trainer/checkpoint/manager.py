@@ -30,6 +30,7 @@ from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
 from trainer.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
+    checkpoint_files,
     digest_files,
     list_checkpoints,
     read_manifest,
@@ -285,11 +286,7 @@ class CheckpointManager:
 
 def _size_problem(manifest: Manifest) -> str:
     """'' if every file the manifest lists is there with its recorded size; else what is not."""
-    fs, root = store.open_url(manifest.url)
-    fs.invalidate_cache(root)
-    with store.store_errors("list", manifest.url):
-        listing = fs.ls(root, detail=True)
-    sizes = {info["name"].rstrip("/").rsplit("/", 1)[-1]: int(info["size"]) for info in listing}
+    sizes = {name: int(info["size"]) for name, info in checkpoint_files(manifest.url).items()}
     wrong = [
         f"{name} ({sizes.get(name, 'missing')}, expected {digest.size} bytes)"
         for name, digest in manifest.files.items()

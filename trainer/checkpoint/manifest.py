@@ -104,14 +104,24 @@ def list_checkpoints(url: str) -> list[Manifest]:
     return [m for m in manifests if m is not None]
 
 
-def digest_files(step_url: str) -> dict[str, FileDigest]:
-    """sha256 and size of every file in a checkpoint directory except the manifest."""
+def checkpoint_files(step_url: str) -> dict[str, dict[str, Any]]:
+    """fsspec info of every file in a checkpoint directory except the manifest, by file name, from a
+    fresh listing (another process may have written since this fs instance last listed)."""
     fs, root = store.open_url(step_url)
     fs.invalidate_cache(root)
-    digests = {}
+    with store.store_errors("list", step_url):
+        infos = fs.ls(root, detail=True)
+    named = ((info["name"].rstrip("/").rsplit("/", 1)[-1], info) for info in infos)
+    return {
+        name: info for name, info in named if info["type"] == "file" and not name.startswith(MANIFEST_NAME)
+    }
+
+
+def digest_files(step_url: str) -> dict[str, FileDigest]:
+    """sha256 and size of every file in a checkpoint directory except the manifest."""
+    fs, _ = store.open_url(step_url)
     with store.store_errors("hash the files of", step_url):
-        for info in fs.ls(root, detail=True):
-            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-            if info["type"] == "file" and name != MANIFEST_NAME and not name.startswith(MANIFEST_NAME):
-                digests[name] = FileDigest(sha256=store.sha256_of(fs, info["name"]), size=int(info["size"]))
-    return dict(sorted(digests.items()))
+        return {
+            name: FileDigest(sha256=store.sha256_of(fs, info["name"]), size=int(info["size"]))
+            for name, info in sorted(checkpoint_files(step_url).items())
+        }

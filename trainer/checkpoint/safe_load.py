@@ -78,22 +78,30 @@ def read_metadata_safely(stream: io.IOBase) -> Metadata:
 
 
 class SafeMetadataReader:
-    """Mixin for DCP filesystem readers: ``read_metadata`` through the allowlist unpickler."""
+    """Mixin for DCP filesystem readers: ``read_metadata`` through the allowlist unpickler.
+
+    The index is read once per reader: callers that inspect it before ``dcp.load`` (which reads it
+    again) cost no second request to the store.
+    """
 
     fs: dcp_filesystem.FileSystemBase
     load_id: str
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
-        try:
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = read_metadata_safely(stream)
-        except OSError as exc:
-            raise CheckpointError(f"checkpoint index {path} unreadable: {exc}") from None
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        rank = kwargs.get("rank")
+        read: dict[int | None, Metadata] = self.__dict__.setdefault("_read_metadata", {})
+        if rank not in read:
+            path = self._get_metadata_path(rank)  # type: ignore[attr-defined]
+            try:
+                with self.fs.create_stream(path, "rb") as stream:
+                    metadata = read_metadata_safely(stream)
+            except OSError as exc:
+                raise CheckpointError(f"checkpoint index {path} unreadable: {exc}") from None
+            if metadata.storage_meta is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            read[rank] = metadata
+        return read[rank]
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

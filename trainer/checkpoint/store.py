@@ -156,13 +156,14 @@ def storage_reader(url: str) -> StorageReader:
     return LocalReader(open_url(url)[1]) if is_local(url) else ObjectStoreReader(url)
 
 
-def load(state: dict[str, Any], url: str, no_dist: bool) -> None:
+def load(state: dict[str, Any], url: str, no_dist: bool, reader: StorageReader | None = None) -> None:
     """``dcp.load`` of the checkpoint at ``url`` into ``state`` in place, executing nothing it holds
     (see :mod:`trainer.checkpoint.safe_load`). Every checkpoint read goes through here.
 
-    Failures are one :class:`CheckpointError` line naming ``url`` (see :func:`dcp_errors`).
+    Failures are one :class:`CheckpointError` line naming ``url`` (see :func:`dcp_errors`). Pass the
+    ``reader`` of ``url`` if the caller has already read the index through it.
     """
-    reader = storage_reader(url)
+    reader = reader or storage_reader(url)
     reader.read_metadata()  # refuse a planted or garbled index here, before DCP folds it into its error
     with dcp_errors("loading", url):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)

@@ -158,9 +158,10 @@ def _nonfinite(state: dict[str, Any]) -> list[str]:
 def load_and_check(step_url: str) -> dict[str, Any]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
-    state = _empty_like_saved(store.storage_reader(step_url).read_metadata(), mesh)
+    reader = store.storage_reader(step_url)
+    state = _empty_like_saved(reader.read_metadata(), mesh)
     try:
-        store.load(state, step_url, no_dist=mesh is None)
+        store.load(state, step_url, no_dist=mesh is None, reader=reader)
     except Exception as exc:
         return {"ok": False, "reason": f"load into world size {world_size} failed: {exc}".splitlines()[0]}
     bad = _nonfinite(state)
