@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv on first use.
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv on first use, with
+# exactly the packages in uv.lock (every transitive dependency pinned and hashed); `make lock` refreshes it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,29 +7,57 @@ STAMP := $(VENV)/.installed
 SPEC ?= deployments/specs/local-cpu.yaml
 PYTEST_ARGS ?=
 
+# uv itself, pinned, bootstrapped with pip into its own folder so that `uv sync` (which makes .venv
+# hold exactly the lock) never removes the tool that is running it.
+UV_VERSION := 0.13.9
+UV := .uv/bin/uv
+export UV_PYTHON_DOWNLOADS := never
+export UV_NO_PROGRESS := 1
+
+# torch is the CPU build of 2.13.0, which PyPI does not carry: uv.lock takes it from .whl/ (see
+# [tool.uv] in pyproject.toml). Dev and CI machines keep the wheel in /opt/wheels; elsewhere it comes
+# from PyTorch's CPU index. Either way its sha256 must match before anything installs it.
+TORCH_WHEEL := torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+TORCH_SHA256 := 6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b
+TORCH_LOCAL := /opt/wheels/$(TORCH_WHEEL)
+TORCH_INDEX := https://download.pytorch.org/whl/cpu
+
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_UI_ENABLED ?= false
-# No hub, no telemetry: nothing at run time reaches the internet.
-export HF_DATASETS_OFFLINE := 1
-export HF_HUB_OFFLINE := 1
-export HF_HUB_DISABLE_TELEMETRY := 1
 export DO_NOT_TRACK := 1
-
-.PHONY: install demo test lint bench faults ui clean
+.PHONY: install lock lock-check demo test lint bench faults ui clean
 
 install: $(STAMP)
 
-# Re-install only when the dependency list changes; the stamp makes the second run a no-op.
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+$(UV):
+	$(PYTHON) -m venv .uv
+	.uv/bin/python -m pip install --quiet "uv==$(UV_VERSION)"
+
+.whl/$(TORCH_WHEEL):
+	mkdir -p .whl
+	if [ -f $(TORCH_LOCAL) ]; then cp $(TORCH_LOCAL) $@.part; \
+	  else curl -fsSL -o $@.part "$(TORCH_INDEX)/$(subst +,%2B,$(TORCH_WHEEL))"; fi
+	echo "$(TORCH_SHA256)  $@.part" | sha256sum --check --quiet
+	mv $@.part $@
+
+# Install exactly the lock (--locked refuses a lock that pyproject.toml has moved away from); the stamp
+# makes the second run a no-op until either file changes.
+$(STAMP): pyproject.toml uv.lock $(UV) .whl/$(TORCH_WHEEL)
+	$(UV) sync --locked --extra test --python $(PYTHON)
 	touch $(STAMP)
+
+# Re-resolve every dependency within pyproject.toml's ranges and rewrite uv.lock.
+lock: $(UV) .whl/$(TORCH_WHEEL)
+	$(UV) lock --upgrade --python $(PYTHON)
+
+# Fails when pyproject.toml and uv.lock disagree (offline: it resolves nothing).
+lock-check: $(UV)
+	$(UV) lock --check --offline --python $(PYTHON)
 
 demo: $(STAMP)
 	$(BIN)/tessera run $(SPEC)
 
-test: $(STAMP)
+test: lock-check $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \

@@ -17,14 +17,14 @@ BACKENDS = {
     # name: (torch device type, process-group backend, a variable its launch env must set)
     "cpu": ("cpu", "gloo", "OMP_NUM_THREADS"),
     "gpu": ("cuda", "nccl", "TORCH_NCCL_ASYNC_ERROR_HANDLING"),
-    "tpu": ("xla", "xla", "PJRT_DEVICE"),
+    "tpu": ("tpu", "tpu_dist", None),  # TorchTPU reads GKE's own variables
     "trainium": ("neuron", "neuron", "NEURON_RT_NUM_CORES"),
 }
 RUNTIME_PRESENT = {
     "cpu": True,
     "gpu": torch.cuda.is_available(),
-    "tpu": importlib.util.find_spec("torch_xla") is not None,
-    "trainium": importlib.util.find_spec("torch_neuron") is not None,
+    "tpu": importlib.util.find_spec("torch_tpu") is not None,
+    "trainium": importlib.util.find_spec("torch_neuronx") is not None,
 }
 
 
@@ -34,7 +34,7 @@ def test_backend_identity_and_launch_env(name: str) -> None:
     device_type, dist_backend, env_var = BACKENDS[name]
     assert (backend.name, backend.device_type, backend.dist_backend) == (name, device_type, dist_backend)
     env = backend.launch_env(chips_per_node=16)
-    assert env_var in env and all(isinstance(v, str) for v in env.values())
+    assert (env_var is None or env_var in env) and all(isinstance(v, str) for v in env.values())
 
 
 def test_trainium_launch_env_counts_neuron_cores() -> None:
@@ -52,6 +52,16 @@ def test_require_explains_how_to_install_a_missing_runtime(name: str) -> None:
     with pytest.raises(BackendUnavailable, match=rf"backend '{name}' is not available here: .*") as err:
         backend.require()
     assert backend.install_hint and backend.install_hint in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["tpu", "trainium"])
+def test_plugin_runtime_is_named_when_missing(name: str) -> None:
+    """TorchTPU is ``torch_tpu`` and TorchNeuron is ``torch_neuronx``: the error names the import."""
+    if RUNTIME_PRESENT[name]:
+        pytest.skip(f"the {name} runtime is installed here")
+    module = {"tpu": "torch_tpu", "trainium": "torch_neuronx"}[name]
+    with pytest.raises(BackendUnavailable, match=rf"^{module} is not installed: "):
+        get_backend(name).device(0)
 
 
 def test_unknown_accelerator_and_chip_name_the_choices() -> None:

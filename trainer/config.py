@@ -12,7 +12,9 @@ import hashlib
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.hub import HUB_URL_PREFIXES
 
 ModelPreset = Literal["tiny", "small", "llama3-8b", "llama3-70b", "llama3-405b", "custom"]
 Accelerator = Literal["cpu", "gpu", "tpu", "trainium"]
@@ -245,6 +247,17 @@ class DataConfig(Strict):
     samples_per_shard: int = Field(1024, ge=1, description="Packed samples per webdataset tar shard.")
     num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map num_proc).")
     loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
+
+    @field_validator("paths")
+    @classmethod
+    def _no_hub_paths(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if path.startswith(HUB_URL_PREFIXES):
+                raise ValueError(
+                    f"{path!r} is on the Hugging Face Hub, which tessera never reads at run time; copy "
+                    "the files to a local path, gs:// or s3:// and list that in data.paths"
+                )
+        return paths
 
 
 def layout_errors(

@@ -7,9 +7,12 @@ this package needs nothing beyond torch.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from abc import ABC, abstractmethod
 from datetime import timedelta
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -66,6 +69,38 @@ class Backend(ABC):
         if chip.accelerator != self.name:
             raise ValueError(f"chip {name!r} is a {chip.accelerator} chip, not {self.name}")
         return chip
+
+
+class PluginBackend(Backend):
+    """An accelerator whose runtime is an optional extra that plugs a device into torch.
+
+    Importing ``runtime_module`` registers the device type, its ``torch.<device_type>`` module and its
+    process-group backend (TorchTPU's ``tpu``, TorchNeuron's ``neuron``); after that the accelerator
+    is driven like CUDA. The import happens on first use, so tests never need the extra.
+    """
+
+    runtime_module: str
+
+    def runtime(self) -> ModuleType:
+        if importlib.util.find_spec(self.runtime_module) is None:
+            raise BackendUnavailable(f"{self.runtime_module} is not installed: {self.install_hint}")
+        return importlib.import_module(self.runtime_module)
+
+    def is_available(self) -> bool:
+        try:
+            self.runtime()
+        except BackendUnavailable:
+            return False
+        return getattr(torch, self.device_type).is_available()
+
+    def device(self, local_rank: int) -> torch.device:
+        self.runtime()
+        getattr(torch, self.device_type).set_device(local_rank)
+        return torch.device(self.device_type, local_rank)
+
+    def init_process_group(self, timeout_s: float) -> None:
+        self.runtime()
+        super().init_process_group(timeout_s)
 
 
 def local_rank() -> int:

@@ -21,6 +21,7 @@ import datasets
 from trainer.config import DataConfig
 from trainer.data.errors import DataError
 from trainer.data.fs import filesystem, retrying
+from trainer.hub import keep_hub_out
 
 _FORMAT_BY_SUFFIX = {
     ".txt": "text",
@@ -38,6 +39,7 @@ GENERATED_DOCUMENTS = 400
 
 def load_corpus(cfg: DataConfig) -> datasets.Dataset:
     """All documents of the configured corpus, capped at ``max_documents``, as a ``text`` column."""
+    keep_hub_out()
     datasets.disable_progress_bars()
     if cfg.source == "stdlib":
         corpus = datasets.Dataset.from_dict({"text": [p.read_text(encoding="utf-8") for p in stdlib_files()]})
