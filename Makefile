@@ -51,7 +51,7 @@ lock: $(UV) .whl/$(TORCH_WHEEL)
 	$(UV) lock --upgrade --python $(PYTHON)
 
 # Fails when pyproject.toml and uv.lock disagree (offline: it resolves nothing).
-lock-check: $(UV)
+lock-check: $(UV) .whl/$(TORCH_WHEEL)
 	$(UV) lock --check --offline --python $(PYTHON)
 
 demo: $(STAMP)
