@@ -25,7 +25,7 @@ TORCH_INDEX := https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_UI_ENABLED ?= false
 export DO_NOT_TRACK := 1
-.PHONY: install lock lock-check demo test lint bench faults ui clean
+.PHONY: install lock lock-check demo test lint bench faults ui clean k8s-smoke
 
 install: $(STAMP)
 
@@ -92,3 +92,9 @@ ui: $(STAMP)
 
 clean:
 	rm -rf runs data .pytest_cache
+
+# The Kubernetes launcher against a real cluster (KUBECONFIG; skips with a message without one):
+# apply the spec's JobSet, read its status, delete it (tests/k8s_smoke.py).
+CLUSTER_SPEC ?= deployments/specs/gpu-llama3-8b-h100.yaml
+k8s-smoke: $(STAMP)
+	$(BIN)/python -m tests.k8s_smoke $(CLUSTER_SPEC)

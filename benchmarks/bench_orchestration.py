@@ -49,21 +49,20 @@ def tiny_spec(root: Path, name: str) -> TrainingSpec:
 
 def direct(spec: TrainingSpec) -> float:
     """The pipeline's library calls in sequence, without Prefect."""
-    from tasks.paths import run_dir
-    from tasks.plan import job_for
+    from deployments.run import Run
     from trainer.checkpoint.manifest import list_checkpoints
     from trainer.checkpoint.validate import validate_checkpoint
     from trainer.data.loader import load_tokenizer, validation_batches
     from trainer.data.prepare import prepare_dataset
     from trainer.evaluate import evaluate_checkpoint
-    from trainer.launch import run_local
-    from trainer.plan import plan_for_job
+    from trainer.launch import launch_env, run_agents
 
     start = time.perf_counter()
     data_url = prepare_dataset(spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
-    job = job_for(spec, data_url)
-    plan_for_job(job)
-    assert run_local(job, run_dir(spec), echo=False).kind == "ok"
+    run = Run.open(spec, data_url=data_url)
+    job = run.job
+    assert job.checkpoint.url is not None and run.plan.fits
+    assert run_agents([run.torchrun_command()], launch_env(job), run.dir).kind == "ok"
     tokenizer = load_tokenizer(data_url)
     for manifest in list_checkpoints(job.checkpoint.url):
         assert validate_checkpoint(manifest.url, job).ok

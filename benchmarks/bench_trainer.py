@@ -2,11 +2,12 @@
 
 Both sides train the ``small`` preset on 2 CPU processes over gloo, with the same model class and
 init, the same synthetic samples, global batch, micro-batching, AdamW and gradient clipping. The
-trainer runs through ``trainer.launch.run_local`` (the path ``tessera train`` takes) twice: with
-replicated parameters (``dp_replicate=2``: DDP's communication, so the ratio is the loop's own
-overhead) and with the local specs' FSDP2 layout (``dp_shard=2``: all-gathers and reduce-scatters
-per micro-batch, the price of sharding); the baseline is ``DistributedDataParallel`` with a plain loop. Throughput is tokens per step over the median step
-time after warm-up, so a noisy neighbour on a shared box moves both the same way.
+trainer runs through ``Run.open`` and ``trainer.launch.run_agents`` (the path ``tessera train``
+takes) twice: with replicated parameters (``dp_replicate=2``: DDP's communication, so the ratio is
+the loop's own overhead) and with the local specs' FSDP2 layout (``dp_shard=2``: all-gathers and
+reduce-scatters per micro-batch, the price of sharding); the baseline is ``DistributedDataParallel``
+with a plain loop. Throughput is tokens per step over the median step time after warm-up, so a
+noisy neighbour on a shared box moves both the same way.
 
     python -m benchmarks.bench_trainer      # writes benchmarks/results/trainer.json
 """
@@ -24,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Goal, Headline, main
+from deployments.run import Run
 from deployments.spec import TrainingSpec
 from trainer.config import JobConfig
-from trainer.launch import launch_env, run_local
+from trainer.launch import launch_env, run_agents, torchrun_command
 from trainer.metrics import read_metrics
+from trainer.rundir import RunDir
 
 STEPS, WARMUP = 12, 3  # the first steps pay for allocator growth and lazy init on both sides
 NPROC = 2
@@ -48,28 +51,23 @@ SPEC: dict[str, Any] = {
 }
 
 
-def trainer_step_times(job: JobConfig, run_dir: Path) -> list[float]:
-    result = run_local(job, run_dir, echo=False)
+def trainer_step_times(spec: dict[str, Any], run_dir: Path) -> list[float]:
+    run = Run.open(TrainingSpec.model_validate(spec), RunDir(run_dir))
+    result = run_agents([run.torchrun_command()], launch_env(run.job), run.dir)
     if result.kind != "ok":
         raise RuntimeError(f"trainer run failed ({result.kind}):\n{result.log_tail}")
-    return [line["step_time_s"] for line in read_metrics(run_dir / "metrics.jsonl")]
+    return [line["step_time_s"] for line in read_metrics(run.dir.metrics)]
 
 
 def ddp_step_times(job: JobConfig, work_dir: Path) -> list[float]:
     job_json, out = work_dir / "ddp-job.json", work_dir / "ddp-times.json"
     job_json.write_text(job.model_dump_json())
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={NPROC}",
-        "-m",
-        "benchmarks.bench_trainer",
-        "--ddp-worker",
-        str(job_json),
-        str(out),
-    ]
+    cmd = torchrun_command(
+        job_json,
+        work_dir,
+        NPROC,
+        entry=["-m", "benchmarks.bench_trainer", "--ddp-worker", str(job_json), str(out)],
+    )
     done = subprocess.run(cmd, env=launch_env(job), capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"DDP baseline failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -128,13 +126,11 @@ def throughput(step_times: list[float], tokens_per_step: int) -> float:
 def run() -> dict[str, Any]:
     fsdp = TrainingSpec.model_validate(SPEC).job_config(data_url=None)
     # Replicated parameters do exactly DDP's communication: this ratio is the trainer's own overhead.
-    replicated = fsdp.model_copy(
-        update={"parallel": fsdp.parallel.model_copy(update={"dp_shard": 1, "dp_replicate": NPROC})}
-    )
+    replicated = {**SPEC, "parallel": {"dp_replicate": NPROC}}
     tokens_per_step = fsdp.train.global_batch_size * fsdp.train.seq_len
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
-        trainer_fsdp = throughput(trainer_step_times(fsdp, work / "fsdp"), tokens_per_step)
+        trainer_fsdp = throughput(trainer_step_times(SPEC, work / "fsdp"), tokens_per_step)
         trainer_replicated = throughput(trainer_step_times(replicated, work / "replicated"), tokens_per_step)
         ddp = throughput(ddp_step_times(fsdp, work), tokens_per_step)
     result = {

@@ -1,19 +1,29 @@
-"""Render, validate, apply and delete the multi-node training job for a Kubernetes work pool.
+"""Render, validate, apply, follow and delete the multi-node training JobSet of a Kubernetes work pool.
 
-A flow run is one process, so training on N nodes is a Kubernetes job the provision task submits:
-an Indexed Job with one pod per node, each running ``torchrun`` that joins one c10d rendezvous at
-pod 0, reached through a headless Service (stable DNS ``<job>-0.<job>``), plus a ConfigMap holding
-the trainer's job JSON. The pod shape comes from the pool's base job template
-(``deployments/templates/<accelerator>.json``), so the pool and the training job share one source
-of truth; the spec fills in image, chip counts, instance type and TPU slice topology. Names are
-derived from the spec, so a retried provision finds (and replaces) the same objects.
+A flow run is one process, so training on N nodes is a gang of pods the provision task submits: one
+**JobSet** (jobset.x-k8s.io) per run, whose one replicated Job is an Indexed Job with a pod per node,
+each running ``torchrun`` into one c10d rendezvous at pod 0. The JobSet gives what a bare Job does
+not: the headless Service for pod DNS, a restart-all failure policy with ``maxRestarts`` (a lost
+node restarts the whole gang, a user error fails it at once), exclusive placement of the gang in one
+topology domain (a TPU slice, an EFA node group), and, with ``cluster.queue``, admission of the whole
+gang by **Kueue**. A ConfigMap holds the trainer's job JSON; it is owned by the JobSet, and the JobSet
+by the flow run's own Job when the flow runs in the cluster, so the garbage collector removes both
+with the flow run; a TTL and a deadline bound them otherwise.
+
+The pod shape comes from the pool's base job template (``deployments/templates/<accelerator>.json``),
+so the pool and the training job share one source of truth; the spec fills in image, chip counts,
+instance type, TPU slice topology, service account and queue. Objects are named after the run id, so
+a retried provision finds (and replaces) the same objects, and two runs of one spec never collide.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,16 +32,29 @@ import yaml
 from prefect.utilities.templating import apply_values
 
 from deployments.pools import base_job_template
+from deployments.run import Run
 from deployments.spec import TrainingSpec
-from trainer.config import JobConfig
-from trainer.launch import launch_env, torchrun_command
+from trainer import storage
+from trainer.failures import EXIT_USER_ERROR
+from trainer.launch import launch_env
 
 Manifest = dict[str, Any]
 
 KUBERNETES_VERSION = "1.33.0"  # schema the manifests are validated against (GKE/EKS regular channels)
+JOBSET_VERSION = "v0.12.0"  # the JobSet release the manifests are written for (tests/schemas holds its CRD)
+KUEUE_VERSION = "v0.19.2"  # the Kueue release whose JobSet integration admits them
+JOBSET_GROUP, JOBSET_API = "jobset.x-k8s.io", "v1alpha2"
+KUEUE_API = "v1beta2"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+REPLICATED_JOB = "node"  # pods are <jobset>-node-0-<index>
 RDZV_PORT = 29400
 JOB_DIR = "/etc/tessera"  # where the ConfigMap with job.json is mounted
-RUN_DIR = "/var/run/tessera"  # per-pod scratch run dir; checkpoints go to spec.checkpoint.url
+RUN_DIR = "/var/run/tessera"  # per-pod scratch run dir; what must outlive the pod goes to the run URL
+SHM_SIZE = "64Gi"  # /dev/shm: NCCL's intra-node buffers and DataLoader workers' shared tensors
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+POD_NAME_SUFFIX = len("-abcde")  # the random suffix the Job controller appends to pod names
+DNS_LABEL_MAX = 63
 
 # Extended resource that counts one chip, per accelerator (device plugins' names).
 CHIP_RESOURCE = {"gpu": "nvidia.com/gpu", "tpu": "google.com/tpu", "trainium": "aws.amazon.com/neuron"}
@@ -48,14 +71,38 @@ INSTANCE_TYPE = {
 TPU_ACCELERATOR = {"tpu-v5e": "tpu-v5-lite-podslice", "tpu-v5p": "tpu-v5p-slice", "tpu-v6e": "tpu-v6e-slice"}
 TPU_3D = {"tpu-v5p"}  # v5p slices are 3-D tori; v5e/v6e are 2-D
 
+# The Job's pod failure policy turns a pod's exit into a Job failure whose message the JobSet's
+# failure policy matches (the Job controller writes "Container trainer for pod NS/NAME failed with exit
+# code 3 matching FailJob rule at index 0", or "Pod NS/NAME has condition DisruptionTarget matching
+# FailJob rule at index 1"). Any other exit (a node failure: 4, 5, a signal) exceeds backoffLimit 0.
+POD_FAILURE_POLICY = {
+    "rules": [
+        {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [EXIT_USER_ERROR]},
+        },
+        {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]
+}
+JOBSET_FAILURE_RULES = [
+    {  # retrying would fail the same way: no restart, whatever the budget
+        "name": "UserError",
+        "action": "FailJobSet",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+        "onJobFailureMessagePatterns": [f"failed with exit code {EXIT_USER_ERROR} matching FailJob rule"],
+    },
+    {  # preemption, eviction, a drained node: the job did nothing wrong, so it costs no restart
+        "name": "Disruption",
+        "action": "RestartJobSetAndIgnoreMaxRestarts",
+        "onJobFailureReasons": ["PodFailurePolicy"],
+        "onJobFailureMessagePatterns": ["has condition DisruptionTarget matching FailJob rule"],
+    },
+    # Anything else (BackoffLimitExceeded: a node failure) falls through to RestartJobSet, counted.
+]
+
 
 class ManifestError(ValueError):
-    """A rendered manifest the Kubernetes schema rejects; the message names the object and the field."""
-
-
-def job_name(spec: TrainingSpec) -> str:
-    """Deterministic, DNS-safe name of the training job (spec names are DNS labels of ≤ 48 chars)."""
-    return f"tessera-{spec.name}"
+    """A rendered manifest the schema rejects; the message names the object and the field."""
 
 
 def tpu_topology(chip: str, chips: int) -> str:
@@ -70,6 +117,45 @@ def tpu_topology(chip: str, chips: int) -> str:
         smallest = min(range(len(dims)), key=lambda i: (dims[i], -i))
         dims[smallest] *= 2
     return "x".join(str(d) for d in sorted(dims))
+
+
+def jobset_name(run: Run) -> str:
+    """The run id, its spec-name part shortened if needed so that every pod name the JobSet derives
+    (``<name>-node-0-<index>-<5 random>``) is a DNS label, which the JobSet webhook demands."""
+    longest_suffix = len(f"-{REPLICATED_JOB}-0-{run.spec.cluster.nodes - 1}") + POD_NAME_SUFFIX
+    budget = DNS_LABEL_MAX - longest_suffix
+    if len(run.run_id) <= budget:
+        return run.run_id
+    spec_part, token = run.run_id.rsplit("-", 1)
+    return f"{spec_part[: budget - len(token) - 1].rstrip('-')}-{token}"
+
+
+def pod_hostnames(run: Run) -> list[str]:
+    """Each pod's DNS name through the JobSet's headless Service, by completion index."""
+    name = jobset_name(run)
+    return [f"{name}-{REPLICATED_JOB}-0-{index}.{name}" for index in range(run.spec.cluster.nodes)]
+
+
+def run_url(run: Run) -> str:
+    """Where a Kubernetes run's files live while it trains: ``<checkpoint.url>/runs/<run id>``.
+
+    A pod's own run directory dies with the pod, so the trainer mirrors its metrics there and the
+    train task follows them from there. It must be an object store every pod and the orchestrator reach.
+    """
+    url = run.job.checkpoint.url
+    assert url is not None, "Run resolves checkpoint.url"
+    if "://" not in url:
+        raise ValueError(
+            f"checkpoint.url={url!r} is a local path, which pods on other machines cannot share; "
+            "set checkpoint.url to gs://bucket/path or s3://bucket/path for a Kubernetes run"
+        )
+    return storage.join(url, "runs", run.run_id)
+
+
+def training_deadline_s(run: Run) -> int:
+    """Seconds after which Kubernetes stops a training Job however it fares: three times the planned
+    training time plus an hour (start-up, checkpoints, restarts), a bound on a runaway, not a budget."""
+    return math.ceil(3 * run.spec.train.steps * run.plan.step_time_s) + 3600
 
 
 def placement(spec: TrainingSpec, defaults: dict[str, Any]) -> dict[str, Any]:
@@ -88,34 +174,64 @@ def placement(spec: TrainingSpec, defaults: dict[str, Any]) -> dict[str, Any]:
     return {"node_selector": selector, "resources": resources}
 
 
-def render_manifests(spec: TrainingSpec, job: JobConfig) -> list[Manifest]:
-    """ConfigMap (job.json) + headless Service + Indexed Job for ``spec`` on its Kubernetes pool."""
-    if spec.cluster.accelerator not in CHIP_RESOURCE:
-        raise ValueError(f"cluster.accelerator={spec.cluster.accelerator} runs locally, not on Kubernetes")
+def pod_env(run: Run) -> list[dict[str, Any]]:
+    """The trainer container's environment: the backend's launch variables, the pod's node rank from
+    its completion index, and for TPU the slice's worker host names, which TorchTPU's launcher reads
+    with the completion index to address every chip of the slice."""
+    env: list[dict[str, Any]] = [
+        {"name": k, "value": v} for k, v in sorted(launch_env(run.job, base={}).items())
+    ]
+    env.append({"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}})
+    if run.spec.cluster.accelerator == "tpu":
+        env += [
+            {"name": "TPU_WORKER_ID", "value": "$(NODE_RANK)"},
+            {"name": "TPU_WORKER_HOSTNAMES", "value": ",".join(pod_hostnames(run))},
+        ]
+    return env
+
+
+def render_manifests(run: Run) -> list[Manifest]:
+    """ConfigMap (job.json, mirroring to the run URL) + JobSet of ``run`` on its Kubernetes pool."""
+    if run.spec.cluster.accelerator not in CHIP_RESOURCE:
+        raise ValueError(
+            f"cluster.accelerator={run.spec.cluster.accelerator} runs locally, not on Kubernetes"
+        )
+    name = jobset_name(run)
+    labels = {
+        "app.kubernetes.io/name": "tessera",
+        "app.kubernetes.io/instance": name,
+        "tessera/run": run.run_id,
+        "tessera/spec": run.spec.name,
+    }
+    namespace = run.spec.cluster.namespace
+    job = run.job.model_copy(update={"run_url": run_url(run)})
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-job", "namespace": namespace, "labels": dict(labels)},
+        "data": {"job.json": job.model_dump_json(indent=2)},
+    }
+    return [config_map, training_jobset(run, name, labels)]
+
+
+def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
+    """The JobSet: the pool's base job template filled from the spec as its one replicated Job."""
+    spec = run.spec
     template = base_job_template(spec.cluster.accelerator)
     defaults = {
         k: v["default"]
         for k, v in template["variables"]["properties"].items()
         if v.get("default") is not None
     }
-    name = job_name(spec)
-    labels = {
-        "app.kubernetes.io/name": "tessera",
-        "app.kubernetes.io/instance": name,
-        "tessera/run": spec.name,
-    }
-    # Every pod has its own host name, so c10d assigns node ranks; node_rank stays at its default.
-    command = torchrun_command(
-        Path(JOB_DIR, "job.json"),
-        Path(RUN_DIR),
-        nproc_per_node=spec.cluster.chips_per_node,
-        nnodes=spec.cluster.nodes,
-        rdzv_endpoint=f"{name}-0.{name}:{RDZV_PORT}",
-        max_restarts=spec.faults.max_restarts,
-        run_id=name,
+    torchrun = run.torchrun_command(
+        node_rank=0,
+        rdzv_endpoint=f"{pod_hostnames(run)[0]}:{RDZV_PORT}",
+        job_path=Path(JOB_DIR, "job.json"),
+        run_dir=Path(RUN_DIR),
+        python="python",  # the image's interpreter, not this host's sys.executable
     )
-    command[0] = "python"  # the image's interpreter, not this host's sys.executable
-    env = [{"name": k, "value": v} for k, v in sorted(launch_env(job, base={}).items())]
+    # Kubernetes expands $(NODE_RANK) from the pod's environment: each pod passes its own index.
+    torchrun = [arg.replace("--node-rank=0", "--node-rank=$(NODE_RANK)") for arg in torchrun]
     values = {
         **defaults,
         **placement(spec, defaults),
@@ -123,55 +239,163 @@ def render_manifests(spec: TrainingSpec, job: JobConfig) -> list[Manifest]:
         "namespace": spec.cluster.namespace,
         "labels": labels,
         "image": spec.cluster.image,
-        "command": command,
-        "env": env,
+        # An unset value drops the field (the namespace's default service account), as in the pool's template.
+        **({"service_account_name": spec.cluster.service_account} if spec.cluster.service_account else {}),
+        "command": ["python", "-m", "trainer.pod", "--run-dir", RUN_DIR, "--", *torchrun],
+        "env": pod_env(run),
     }
-    manifest = apply_values(template["job_configuration"]["job_manifest"], values)
-    metadata = manifest["metadata"]
-    del metadata["generateName"]
-    metadata["name"] = name
+    job = apply_values(template["job_configuration"]["job_manifest"], values)
+    job_spec = job["spec"]
+    del job_spec["ttlSecondsAfterFinished"]  # the JobSet's TTL governs; a child's would race its restarts
     nodes = spec.cluster.nodes
-    manifest["spec"].update(completionMode="Indexed", completions=nodes, parallelism=nodes)
-    pod = manifest["spec"]["template"]
+    job_spec.update(
+        completionMode="Indexed",
+        completions=nodes,
+        parallelism=nodes,
+        backoffLimit=0,  # any pod failure fails the Job, and the JobSet's policy decides what follows
+        activeDeadlineSeconds=training_deadline_s(run),
+        podFailurePolicy=copy.deepcopy(POD_FAILURE_POLICY),
+    )
+    _shape_pod(job_spec["template"], name, labels, spec.cluster.credentials_secret)
+    return _jobset(run, name, labels, job_spec, defaults)
+
+
+def _shape_pod(pod: Manifest, name: str, labels: dict[str, str], credentials_secret: str | None) -> None:
+    """The trainer container's name, ports and mounts: the job file and a RAM-backed /dev/shm, which
+    NCCL and data-loader workers need beyond the runtime's 64 MiB default."""
     pod["metadata"] = {"labels": dict(labels)}
-    pod["spec"]["subdomain"] = name  # pod DNS <job>-<index>.<service> for the rendezvous
-    pod["spec"]["volumes"] = [{"name": "job", "configMap": {"name": f"{name}-job"}}]
+    pod["spec"]["volumes"] = [
+        {"name": "job", "configMap": {"name": f"{name}-job"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
+    ]
     container = pod["spec"]["containers"][0]
     container["name"] = "trainer"
     container["ports"] = [{"name": "rdzv", "containerPort": RDZV_PORT}]
-    container["volumeMounts"] = [{"name": "job", "mountPath": JOB_DIR, "readOnly": True}]
-    if spec.cluster.credentials_secret:  # a reference: the values stay in the cluster's Secret
-        container["envFrom"] = [{"secretRef": {"name": spec.cluster.credentials_secret}}]
-    config_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": f"{name}-job", "namespace": spec.cluster.namespace, "labels": dict(labels)},
-        "data": {"job.json": job.model_dump_json(indent=2)},
+    container["volumeMounts"] = [
+        {"name": "job", "mountPath": JOB_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if credentials_secret:  # a reference: the values stay in the cluster's Secret
+        container["envFrom"] = [{"secretRef": {"name": credentials_secret}}]
+
+
+def _jobset(
+    run: Run, name: str, labels: dict[str, str], job_spec: Manifest, defaults: dict[str, Any]
+) -> Manifest:
+    """The JobSet around the one replicated Job: gang restart policy, DNS for the rendezvous, queue."""
+    cluster = run.spec.cluster
+    metadata: Manifest = {
+        "name": name,
+        "namespace": cluster.namespace,
+        "labels": {**labels, **({QUEUE_LABEL: cluster.queue} if cluster.queue else {})},
+        "annotations": {EXCLUSIVE_TOPOLOGY: defaults["exclusive_topology"]},
     }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "namespace": spec.cluster.namespace, "labels": dict(labels)},
+    return {
+        "apiVersion": f"{JOBSET_GROUP}/{JOBSET_API}",
+        "kind": "JobSet",
+        "metadata": metadata,
         "spec": {
-            "clusterIP": "None",  # headless: DNS resolves straight to the pods
-            "publishNotReadyAddresses": True,  # pods must find each other before they are Ready
-            "selector": {"app.kubernetes.io/instance": name},
-            "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT}],
+            "failurePolicy": {
+                "maxRestarts": run.spec.faults.max_restarts,
+                "restartStrategy": "Recreate",
+                "rules": copy.deepcopy(JOBSET_FAILURE_RULES),
+            },
+            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": name},
+            "ttlSecondsAfterFinished": defaults["finished_job_ttl"],
+            "replicatedJobs": [
+                {
+                    "name": REPLICATED_JOB,
+                    "replicas": 1,
+                    "template": {"metadata": {"labels": dict(labels)}, "spec": job_spec},
+                }
+            ],
         },
     }
-    return [config_map, service, manifest]
+
+
+def kueue_queue(run: Run) -> list[Manifest]:
+    """The Kueue objects that admit this run's JobSet through ``cluster.queue``: a ResourceFlavor for
+    the pool's nodes, a ClusterQueue whose quota is exactly this gang, and the LocalQueue in the
+    namespace. An SRE's starting point (``tessera render`` writes them beside the JobSet; k8s-smoke
+    applies them), not something a run creates: queues and quotas are the cluster's policy."""
+    spec = run.spec
+    if spec.cluster.queue is None:
+        raise ValueError("cluster.queue is not set: the JobSet is not queued, so there is no queue to set up")
+    template = base_job_template(spec.cluster.accelerator)
+    defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
+    pod = placement(spec, defaults)
+    nodes, pool = spec.cluster.nodes, spec.cluster.pool
+    requests = {**pod["resources"]["limits"], **pod["resources"]["requests"]}  # a limit alone is the request
+    quota = [
+        {"name": resource, "nominalQuota": _times(requests[resource], nodes)}
+        for resource in ("cpu", "memory", CHIP_RESOURCE[spec.cluster.accelerator])
+    ]
+    api = f"kueue.x-k8s.io/{KUEUE_API}"
+    return [
+        {
+            "apiVersion": api,
+            "kind": "ResourceFlavor",
+            "metadata": {"name": pool},
+            "spec": {"nodeLabels": pod["node_selector"], "tolerations": defaults["tolerations"]},
+        },
+        {
+            "apiVersion": api,
+            "kind": "ClusterQueue",
+            "metadata": {"name": pool},
+            "spec": {
+                "namespaceSelector": {},
+                "resourceGroups": [
+                    {
+                        "coveredResources": [q["name"] for q in quota],
+                        "flavors": [{"name": pool, "resources": quota}],
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": api,
+            "kind": "LocalQueue",
+            "metadata": {"name": spec.cluster.queue, "namespace": spec.cluster.namespace},
+            "spec": {"clusterQueue": pool},
+        },
+    ]
+
+
+def _times(quantity: int | str, n: int) -> int | str:
+    """``n`` × a Kubernetes quantity such as 8, "180" or "1800Gi"."""
+    text = str(quantity)
+    digits = len(text) - len(text.lstrip("0123456789"))
+    return quantity * n if isinstance(quantity, int) else f"{int(text[:digits]) * n}{text[digits:]}"
+
+
+def replicated_jobs(jobset: Manifest) -> list[Manifest]:
+    """Each replicated Job's template as the batch/v1 Job it becomes (for the core schema)."""
+    return [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {
+                "name": f"{jobset['metadata']['name']}-{rj['name']}-0",
+                **rj["template"]["metadata"],
+            },
+            "spec": rj["template"]["spec"],
+        }
+        for rj in jobset["spec"]["replicatedJobs"]
+    ]
 
 
 def validate_manifests(manifests: list[Manifest], version: str = KUBERNETES_VERSION) -> None:
-    """Check each manifest against the Kubernetes OpenAPI schema (strict: unknown fields are errors)."""
+    """Check each core object, and the Jobs a JobSet creates, against the Kubernetes OpenAPI schema
+    (strict: unknown fields are errors). The JobSet's own fields are checked against its CRD in the tests."""
     for manifest in manifests:
-        try:
-            kubernetes_validate.validate(manifest, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            where = ".".join(str(p) for p in exc.path) or "(root)"
-            raise ManifestError(
-                f"{manifest['kind']} {manifest['metadata']['name']}: {where}: {exc.message}"
-            ) from None
+        for obj in replicated_jobs(manifest) if manifest["kind"] == "JobSet" else [manifest]:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                where = ".".join(str(p) for p in exc.path) or "(root)"
+                raise ManifestError(
+                    f"{manifest['kind']} {manifest['metadata']['name']}: {where}: {exc.message}"
+                ) from None
 
 
 class _ManifestDumper(yaml.SafeDumper):
@@ -192,7 +416,7 @@ def write_manifests(manifests: list[Manifest], out_dir: Path) -> Path:
     return path
 
 
-def _api() -> Any:
+def api_client() -> Any:
     """The kubernetes client (optional extra ``tessera[kubernetes]``), configured in-cluster or from kubeconfig."""
     try:
         from kubernetes import client, config
@@ -203,70 +427,157 @@ def _api() -> Any:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # KUBECONFIG as it is now: the client reads it once, at import, otherwise.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     return client
 
 
-def _namespaced(client: Any, manifest: Manifest, verb: str) -> Any:
-    """The client call ``verb`` (read/delete) for this manifest's kind, bound to its name and namespace."""
-    api, noun = {
-        "ConfigMap": ("CoreV1Api", "config_map"),
-        "Service": ("CoreV1Api", "service"),
-        "Job": ("BatchV1Api", "job"),
-    }[manifest["kind"]]
-    call = getattr(getattr(client, api)(), f"{verb}_namespaced_{noun}")
-    return lambda **kwargs: call(manifest["metadata"]["name"], manifest["metadata"]["namespace"], **kwargs)
+class _Objects:
+    """Create, read and delete the two kinds tessera applies, by manifest."""
+
+    def __init__(self, client: Any) -> None:
+        self.client, self.core, self.custom = client, client.CoreV1Api(), client.CustomObjectsApi()
+
+    def create(self, manifest: Manifest) -> Manifest:
+        """Create ``manifest``; the object as stored (with its uid)."""
+        namespace = manifest["metadata"]["namespace"]
+        if manifest["kind"] == "JobSet":
+            return self.custom.create_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_API, namespace, "jobsets", manifest
+            )
+        created = self.core.create_namespaced_config_map(namespace, manifest)
+        return self.client.ApiClient().sanitize_for_serialization(created)
+
+    def read(self, manifest: Manifest) -> Manifest:
+        name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+        if manifest["kind"] == "JobSet":
+            return self.custom.get_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_API, namespace, "jobsets", name
+            )
+        found = self.core.read_namespaced_config_map(name, namespace)
+        return self.client.ApiClient().sanitize_for_serialization(found)
+
+    def delete(self, manifest: Manifest) -> None:
+        name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+        # Foreground: the JobSet is gone only once its Jobs and pods are, so a new attempt cannot collide.
+        options = self.client.V1DeleteOptions(propagation_policy="Foreground")
+        if manifest["kind"] == "JobSet":
+            self.custom.delete_namespaced_custom_object(
+                JOBSET_GROUP, JOBSET_API, namespace, "jobsets", name, body=options
+            )
+        else:
+            self.core.delete_namespaced_config_map(name, namespace, body=options)
+
+    def exists(self, manifest: Manifest) -> bool:
+        try:
+            self.read(manifest)
+        except self.client.exceptions.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+
+def with_owner(manifest: Manifest, owner: Manifest | None) -> Manifest:
+    """``manifest`` owned by ``owner`` (an object as stored, with its uid): deleted with it."""
+    if owner is None:
+        return manifest
+    reference = {k: owner[k] for k in ("apiVersion", "kind")} | {
+        k: owner["metadata"][k] for k in ("name", "uid")
+    }
+    return {**manifest, "metadata": {**manifest["metadata"], "ownerReferences": [reference]}}
+
+
+def orchestrator_job(client: Any, namespace: str) -> Manifest | None:
+    """The Job running this flow run when it runs as a pod of ``namespace`` (Prefect's Kubernetes
+    worker), to own the training JobSet: deleting the flow run's Job (Prefect's cancel, its TTL after
+    a crash) then removes the JobSet too. None elsewhere (owners cannot cross namespaces)."""
+    pod_name = os.environ.get("HOSTNAME")
+    if not os.environ.get("KUBERNETES_SERVICE_HOST") or not pod_name:
+        return None
+    try:
+        pod = client.CoreV1Api().read_namespaced_pod(pod_name, namespace)
+    except client.exceptions.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    for owner in pod.metadata.owner_references or []:
+        if owner.controller and owner.kind == "Job":
+            return {
+                "apiVersion": owner.api_version,
+                "kind": "Job",
+                "metadata": {"name": owner.name, "uid": owner.uid},
+            }
+    return None
 
 
 def apply_manifests(manifests: list[Manifest]) -> None:
-    """Create the objects, first removing leftovers of an earlier attempt (names are deterministic)."""
-    client = _api()
-    from kubernetes.utils import create_from_dict
-
+    """Create the JobSet (owned by the flow run's Job where there is one), then the objects it owns,
+    first removing leftovers of an earlier attempt (names are deterministic). The pods wait for the
+    ConfigMap's volume, so creating it second costs them nothing."""
+    client = api_client()
+    objects = _Objects(client)
     delete_manifests(manifests)
+    jobset = next(m for m in manifests if m["kind"] == "JobSet")
+    created = objects.create(with_owner(jobset, orchestrator_job(client, jobset["metadata"]["namespace"])))
     for manifest in manifests:
-        create_from_dict(client.ApiClient(), manifest, namespace=manifest["metadata"]["namespace"])
+        if manifest is not jobset:
+            objects.create(with_owner(manifest, created))
 
 
-def delete_manifests(manifests: list[Manifest], wait_s: float = 300.0) -> None:
-    """Delete the objects (a Job with its pods) and wait until they are gone; missing ones are fine,
-    so tear-down is idempotent and a following create cannot collide with a terminating object."""
-    client = _api()
-    for manifest in manifests:
+def delete_manifests(manifests: list[Manifest], wait_s: float = 300.0, poll_s: float = 2.0) -> None:
+    """Delete the objects (a JobSet with its Jobs and pods) and wait until they are gone; missing ones
+    are fine, so tear-down is idempotent and a following create cannot collide with a terminating object."""
+    client = api_client()
+    objects = _Objects(client)
+    for manifest in reversed(manifests):  # the JobSet first: it stops the pods
         try:
-            _namespaced(client, manifest, "delete")(propagation_policy="Foreground")
+            objects.delete(manifest)
         except client.exceptions.ApiException as exc:
             if exc.status != 404:
                 raise
     deadline = time.monotonic() + wait_s
     for manifest in manifests:
-        while time.monotonic() < deadline:
-            try:
-                _namespaced(client, manifest, "read")()
-            except client.exceptions.ApiException as exc:
-                if exc.status == 404:
-                    break
-                raise
-            time.sleep(2)
-        else:
-            raise TimeoutError(
-                f"{manifest['kind']} {manifest['metadata']['name']} still exists after {wait_s:.0f} s"
-            )
+        while objects.exists(manifest):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{manifest['kind']} {manifest['metadata']['name']} still exists after {wait_s:.0f} s"
+                )
+            time.sleep(poll_s)
 
 
-def job_outcome(job: Manifest) -> tuple[Literal["running", "succeeded", "failed"], int, str]:
-    """State of the training Job; when it failed, the first failed pod's exit code and log tail."""
-    client = _api()
-    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
-    status = client.BatchV1Api().read_namespaced_job_status(name, namespace).status
-    if (status.succeeded or 0) >= job["spec"]["completions"]:
-        return "succeeded", 0, ""
-    if not status.failed:
-        return "running", 0, ""
+@dataclass(frozen=True)
+class JobSetStatus:
+    """Where the training JobSet stands; when it failed, the first failed pod's exit code and log tail."""
+
+    state: Literal["running", "succeeded", "failed"]
+    restarts: int  # gang restarts so far, by the JobSet's failure policy
+    exit_code: int = 0
+    log_tail: str = ""
+
+
+def _condition(jobset: Manifest, kind: str) -> bool:
+    conditions = (jobset.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
+
+
+def jobset_status(jobset: Manifest) -> JobSetStatus:
+    """Read the JobSet's status (it restarts the gang itself for as long as its policy allows)."""
+    client = api_client()
+    name, namespace = jobset["metadata"]["name"], jobset["metadata"]["namespace"]
+    live = _Objects(client).read(jobset)
+    restarts = int((live.get("status") or {}).get("restarts") or 0)
+    if _condition(live, "Completed"):
+        return JobSetStatus("succeeded", restarts)
+    if not _condition(live, "Failed"):
+        return JobSetStatus("running", restarts)
     core = client.CoreV1Api()
-    for pod in core.list_namespaced_pod(namespace, label_selector=f"job-name={name}").items:
-        terminated = pod.status.container_statuses and pod.status.container_statuses[0].state.terminated
+    pods = core.list_namespaced_pod(namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={name}").items
+    for pod in pods:
+        statuses = pod.status.container_statuses or []
+        terminated = statuses and statuses[0].state.terminated
         if terminated and terminated.exit_code:
             tail = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=200)
-            return "failed", terminated.exit_code, tail
-    return "failed", 137, "pod lost (evicted or its node went away)"  # no exit code: the node failed
+            return JobSetStatus("failed", restarts, terminated.exit_code, tail)
+    # No pod with an exit code: the pods went with their node (or were evicted and deleted).
+    return JobSetStatus("failed", restarts, 137, "pod lost (evicted or its node went away)")

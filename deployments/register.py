@@ -20,7 +20,7 @@ from prefect.exceptions import ObjectAlreadyExists
 from prefect.settings import PREFECT_API_URL
 
 from deployments.pools import POOLS, base_job_template
-from deployments.spec import SPEC_DIR, load_spec
+from deployments.spec import SPEC_DIR, load_spec, read_yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO_ROOT / "prefect.yaml"
@@ -91,7 +91,7 @@ def _deployment(
             **ORCHESTRATOR_POD,
         }
         body["pull"] = [{"prefect.deployments.steps.set_working_directory": {"directory": IMAGE_WORKDIR}}]
-    return {**body, "parameters": {"spec": yaml.safe_load(spec_file.read_text())}, "work_pool": pool, **extra}
+    return {**body, "parameters": {"spec": read_yaml(spec_file.read_text())}, "work_pool": pool, **extra}
 
 
 def prefect_yaml() -> dict[str, Any]:

@@ -7,7 +7,10 @@ the plan fits in HBM — so a bad spec fails with the field and the fix, never o
 
 from __future__ import annotations
 
+import copy
+import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -30,21 +33,55 @@ from trainer.plan import fit_error
 
 SPEC_DIR = Path(__file__).parent / "specs"
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"  # a valid Kubernetes name, so job names derive from it
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"  # a Kubernetes namespace
+POOL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+# An OCI image reference: [registry[:port]/]path[:tag][@sha256:digest]; no spaces, quotes or newlines.
+IMAGE_PATTERN = (
+    r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[a-f0-9]{64})?$"
+)
+# A run id is the spec's name and 8 hex digits of the flow run that started it: still a DNS label.
+RUN_ID_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?-[0-9a-f]{8}$"
+PATTERN_MEANING = {
+    NAME_PATTERN: "a name of lowercase letters, digits and '-' (at most 48, starting and ending alphanumeric)",
+    DNS_LABEL: "a Kubernetes namespace: lowercase letters, digits and '-' (at most 63)",
+    POOL_PATTERN: "a work pool name: letters, digits, '_', '.' and '-'",
+    IMAGE_PATTERN: "an image reference such as registry.example.com/team/tessera:tag",
+    RUN_ID_PATTERN: "a run id such as tiny-local-3f2a9c1b (a spec name, '-', 8 hex digits)",
+}
 
 
 class ClusterSpec(HardwareConfig):
     """Where the job runs: hardware plus the Prefect work pool and container image."""
 
-    work_pool: str | None = Field(None, description="Prefect work pool; default tessera-<accelerator>.")
-    image: str = Field(
-        "tessera:latest", description="Container image with tessera and the accelerator stack (k8s pools)."
+    work_pool: str | None = Field(
+        None, pattern=POOL_PATTERN, description="Prefect work pool; default tessera-ACCELERATOR."
     )
-    namespace: str = Field("default", description="Kubernetes namespace for the training job (k8s pools).")
+    image: str = Field(
+        "tessera:latest",
+        pattern=IMAGE_PATTERN,
+        description="Container image with tessera and the accelerator stack (k8s pools).",
+    )
+    namespace: str = Field(
+        "default", pattern=DNS_LABEL, description="Kubernetes namespace for the training job (k8s pools)."
+    )
     credentials_secret: str | None = Field(
         None,
         pattern=NAME_PATTERN,
         description="Kubernetes Secret whose keys become the trainer's environment, e.g. AWS_ACCESS_KEY_ID "
         "for the buckets (k8s pools); the spec holds only its name. Process pools use the worker's environment.",
+    )
+    queue: str | None = Field(
+        None,
+        pattern=DNS_LABEL,
+        description="Kueue LocalQueue in the namespace that admits the training JobSet as one gang (k8s pools); "
+        "empty: the JobSet is not queued and starts as soon as Kubernetes can place it.",
+    )
+    service_account: str | None = Field(
+        None,
+        pattern=DNS_LABEL,
+        description="Kubernetes service account of the training pods (k8s pools), e.g. one bound to an IAM "
+        "role (IRSA) or a Google service account (Workload Identity) for the buckets; empty: the namespace's default.",
     )
 
     @property
@@ -56,17 +93,24 @@ class EvalSpec(Strict):
     """Checkpoint validation and evaluation, run while training and on a schedule."""
 
     enabled: bool = Field(True, description="Validate and evaluate each new committed checkpoint.")
-    batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    batches: int = Field(8, ge=1, le=10_000, description="Validation batches per evaluation.")
     sample_prompt: str = Field("def ", description="Prompt for the greedy sample shown with each evaluation.")
-    sample_tokens: int = Field(32, ge=0, description="Tokens to generate for the sample.")
-    poll_interval_s: float = Field(2.0, gt=0, description="How often the watcher looks for new checkpoints.")
+    sample_tokens: int = Field(32, ge=0, le=4096, description="Tokens to generate for the sample.")
+    poll_interval_s: float = Field(
+        2.0, gt=0, le=3600, description="How often the watcher looks for new checkpoints."
+    )
 
 
 class TrainingSpec(Strict):
     """A training deployment: model, data, layout, cluster, and the policies around them."""
 
     name: str = Field("tiny-local", pattern=NAME_PATTERN, description="Run name (lowercase, digits, '-').")
-    seed: int = Field(0, ge=0, description="Seed for init and data order: same seed, same loss curve.")
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="Seed for init and data order: same seed, same loss curve.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture.")
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer, shards.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Batch geometry and length.")
@@ -78,6 +122,17 @@ class TrainingSpec(Strict):
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation and evaluation.")
     allow_oversubscribe: bool = Field(
         False, description="Launch even if the planner estimates the job does not fit in HBM."
+    )
+    resume_from: str | None = Field(
+        None,
+        pattern=RUN_ID_PATTERN,
+        description="Continue this earlier run (its run id, the name of its directory under runs/, e.g. "
+        "tiny-local-3f2a9c1b) instead of starting a new one. Empty: every flow run is a new run.",
+    )
+    allow_changes: list[str] = Field(
+        default_factory=list,
+        description="Fields that may differ from the run being continued, e.g. optimizer.lr or train.steps "
+        "(a section name allows all its fields). Other changes that affect training are refused.",
     )
 
     @model_validator(mode="after")
@@ -99,10 +154,12 @@ class TrainingSpec(Strict):
                 raise ValueError(misfit)
         return self
 
-    def job_config(self, data_url: str | None, checkpoint_interval_steps: int | None = None) -> JobConfig:
-        """The part the torchrun entry point needs, as the trainer's own config."""
+    def job_config(self, data_url: str | None, run_id: str | None = None) -> JobConfig:
+        """The part the torchrun entry point needs, as the trainer's own config (unresolved: see
+        ``deployments.run.Run``, which decides the checkpoint location and cadence)."""
         return JobConfig(
             name=self.name,
+            run_id=run_id,
             seed=self.seed,
             model=self.model,
             parallel=self.parallel,
@@ -113,7 +170,6 @@ class TrainingSpec(Strict):
             hardware=HardwareConfig(**self.cluster.model_dump(include=set(HardwareConfig.model_fields))),
             data_url=data_url,
             loader_workers=self.data.loader_workers,
-            checkpoint_interval_steps=checkpoint_interval_steps,
         )
 
 
@@ -124,10 +180,14 @@ class SpecError(ValueError):
 def format_validation_error(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "spec"
+        # pydantic adds the member of a union it tried (e.g. "constrained-int"): not a field name.
+        loc = ".".join(str(p) for p in err["loc"] if isinstance(p, int) or str(p).isidentifier()) or "spec"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling (tessera schema lists every field)"
+        elif err["type"] == "string_pattern_mismatch":
+            meaning = PATTERN_MEANING.get(err["ctx"]["pattern"], f"of the form {err['ctx']['pattern']}")
+            msg = f"{err['input']!r} is not {meaning}"
         lines.append(f"{loc}: {msg}")
     return "\n".join(lines)
 
@@ -141,21 +201,71 @@ def parse_spec(data: object, source: str = "spec") -> TrainingSpec:
         raise SpecError(f"{source} is invalid:\n{format_validation_error(exc)}") from None
 
 
+def apply_overrides(spec: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """``spec`` with each ``field.path=value`` set (``tessera submit --set``); values are YAML, so
+    ``train.steps=30``, ``optimizer.lr=1e-3`` and ``data.paths=[a.txt, b.txt]`` mean what they say.
+    Unknown fields are left for validation to refuse, naming them."""
+    merged = copy.deepcopy(spec)
+    for assignment in assignments:
+        path, sep, text = assignment.partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(keys):
+            raise SpecError(f"--set {assignment!r}: write FIELD=VALUE, e.g. --set train.steps=30")
+        section = merged
+        for key in keys[:-1]:
+            section = section.setdefault(key, {})
+            if not isinstance(section, dict):
+                raise SpecError(f"--set {assignment!r}: {key} is not a section of the spec")
+        section[keys[-1]] = read_yaml(text)
+    return merged
+
+
+MAX_SPEC_BYTES = 1 << 20  # a spec is a page of YAML; anything far larger is a wrong file
+
+
+class SpecLoader(yaml.SafeLoader):
+    """YAML with YAML 1.2's floats: PyYAML (YAML 1.1) reads ``lr: 1e-3`` as the string "1e-3", which
+    the spec, being strict, would refuse; people write it, so it is a float here as in JSON."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def read_yaml(text: str) -> object:
+    return yaml.load(text, Loader=SpecLoader)
+
+
 def load_spec(path: str | Path, overrides: dict[str, object] | None = None) -> TrainingSpec:
     """Read a YAML (or JSON, which is YAML) spec file, with user errors as :class:`SpecError`.
 
+    Refused in one line, before YAML sees them: what is not a regular file (a FIFO would block the
+    read forever), more than :data:`MAX_SPEC_BYTES`, bytes that are not UTF-8, nesting too deep to parse.
     ``overrides`` replace top-level fields before validation (``tessera plan`` plans a spec that does
     not fit by overriding ``allow_oversubscribe``).
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        if path.exists() and not path.is_file():
+            raise SpecError(f"spec {path} is not a regular file; give the path of a YAML spec")
+        if path.stat().st_size > MAX_SPEC_BYTES:
+            raise SpecError(
+                f"spec {path} is {path.stat().st_size:,} bytes, over {MAX_SPEC_BYTES:,}; is it the right file?"
+            )
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise SpecError(f"cannot read spec {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"spec {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     try:
-        data = yaml.safe_load(text)
+        data = read_yaml(text)
     except yaml.YAMLError as exc:
         raise SpecError(f"{path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise SpecError(f"{path} nests too deeply to be a spec") from None
     if overrides and isinstance(data, dict):
         data = {**data, **overrides}
     return parse_spec(data, str(path))

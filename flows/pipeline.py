@@ -3,29 +3,31 @@
 ``train_pipeline``: prepare data → plan → provision → train, and while training runs, validate then
 evaluate every newly committed checkpoint concurrently; finally a report. ``prepare_data`` and
 ``evaluate_checkpoints`` are the data and evaluation stages deployable on their own (the latter on
-an interval schedule, to catch up on checkpoints no pipeline evaluated).
+an interval schedule, to catch up on checkpoints of the spec's runs that no pipeline evaluated).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow
 from prefect.futures import PrefectFuture, wait
+from prefect.states import Completed, State
 
-from deployments.spec import EvalSpec, TrainingSpec
-from tasks.checkpoints import eval_path, evaluate_task, validate_checkpoint_task
+from deployments.run import Run
+from deployments.spec import TrainingSpec
+from tasks.checkpoints import evaluate_task, validate_checkpoint_task
 from tasks.data import prepare_dataset_task
 from tasks.lineage import submit_produced_by
-from tasks.paths import run_dir
-from tasks.plan import job_for, plan_task
+from tasks.plan import plan_task
 from tasks.provision import provisioned
 from tasks.report import report_task
+from tasks.run import open_run_task
 from tasks.train import retry_on_node_failure, train_task
 from trainer.checkpoint.manifest import list_checkpoints
-from trainer.config import JobConfig
+from trainer.checkpoint.pins import pin, unpin
 
 EvalFuture = PrefectFuture[dict[str, Any] | None]
 
@@ -36,70 +38,96 @@ def prepare_data(spec: TrainingSpec) -> str:
     return prepare_dataset_task(spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One checkpoint's validate → evaluate, and the pin that keeps retention off it meanwhile."""
+
+    step: int
+    pin_url: str
+    future: EvalFuture
+
+
 def submit_evaluations(
-    job: JobConfig,
-    spec: EvalSpec,
-    directory: Path,
-    skip: set[int],
-    training: PrefectFuture[str] | None = None,
-) -> list[EvalFuture]:
-    """validate → evaluate for each committed checkpoint not in ``skip`` (which it extends).
+    run: Run, skip: set[int], training: PrefectFuture[str] | None = None
+) -> list[Evaluation]:
+    """validate → evaluate for each committed checkpoint not in ``skip`` (which it extends), each
+    pinned against retention until its evaluation is over.
 
     ``training``, the (possibly still running) train task that wrote the checkpoints, becomes
     validate's upstream in the run graph without being waited for.
     """
-    futures = []
-    for manifest in list_checkpoints(job.checkpoint.url):
+    assert run.job.checkpoint.url is not None
+    evaluations = []
+    for manifest in list_checkpoints(run.job.checkpoint.url):
         if manifest.step in skip or not manifest.good:
             continue
         skip.add(manifest.step)
+        pin_url = pin(run.job.checkpoint.url, manifest.step, run.run_id)
         if training is None:
-            validated = validate_checkpoint_task.submit(manifest.url, job)
+            validated = validate_checkpoint_task.submit(manifest.url, run.job)
         else:
             validated = submit_produced_by(
-                validate_checkpoint_task, training, "step_url", step_url=manifest.url, job=job
+                validate_checkpoint_task, training, "step_url", step_url=manifest.url, job=run.job
             )
-        futures.append(evaluate_task.submit(validated, job, spec, directory))
-    return futures
+        evaluations.append(Evaluation(manifest.step, pin_url, evaluate_task.submit(validated, run, pin_url)))
+    return evaluations
 
 
-def completed(futures: list[EvalFuture]) -> list[dict[str, Any]]:
-    """Results of the evaluations that finished (a checkpoint retention deleted mid-way is skipped)."""
-    wait(futures)
-    results = [f.result() for f in futures if f.state.is_completed()]
-    return sorted((r for r in results if r is not None), key=lambda r: r["step"])
+def completed(evaluations: list[Evaluation]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The evaluations that ran, by step, and one line for each that could not (e.g. its checkpoint was
+    unreadable), so the report and the flow's final state show them rather than drop them."""
+    wait([e.future for e in evaluations])
+    results, missed = [], []
+    for evaluation in evaluations:
+        unpin(evaluation.pin_url)  # already done by the task, unless it never ran
+        if evaluation.future.state.is_completed():
+            if (result := evaluation.future.result()) is not None:
+                results.append(result)
+        else:
+            missed.append(f"step {evaluation.step}: {evaluation.future.state.message}")
+    return sorted(results, key=lambda r: r["step"]), missed
 
 
 @flow(name="train-pipeline", flow_run_name="train-{spec.name}")
-def train_pipeline(spec: TrainingSpec) -> str:
-    """Train ``spec`` end to end; returns the final checkpoint URL."""
+def train_pipeline(spec: TrainingSpec) -> str | State[str]:
+    """Train ``spec`` end to end as a new run (or the one ``spec.resume_from`` names); returns the final
+    checkpoint URL."""
     data_url = prepare_dataset_task(spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
-    plan = plan_task(spec, data_url)
-    job = job_for(spec, data_url)
-    train = train_task.with_options(
+    run = open_run_task(spec, data_url)
+    plan = plan_task(run)
+    train_with_retries = train_task.with_options(
         retries=spec.faults.node_failure_retries,
         retry_delay_seconds=spec.faults.retry_delay_s,
         retry_condition_fn=retry_on_node_failure,
     )
-    directory = run_dir(spec)
     seen: set[int] = set()
-    evaluations: list[EvalFuture] = []
-    with provisioned(spec, job, after=plan) as cluster:
-        training = train.submit(cluster, job)
+    evaluations: list[Evaluation] = []
+    with provisioned(run, after=plan) as target:
+        training = train_with_retries.submit(target)
         while spec.eval.enabled and not training.state.is_final():
-            evaluations += submit_evaluations(job, spec.eval, directory, seen, training)
+            evaluations += submit_evaluations(run, seen, training)
             time.sleep(spec.eval.poll_interval_s)
         final_url = training.result()
     if spec.eval.enabled:
-        evaluations += submit_evaluations(job, spec.eval, directory, seen, training)  # the final checkpoint
-    report_task(spec, plan, job, final_url, directory, completed(evaluations))
+        evaluations += submit_evaluations(run, seen, training)  # the final checkpoint
+    results, missed = completed(evaluations)
+    report_task(run, final_url, results, missed)
+    if missed:  # trained, but not every checkpoint was evaluated: say so in the run's final state
+        return Completed(
+            message=f"{len(missed)} evaluation(s) could not run: {'; '.join(missed)}", data=final_url
+        )
     return final_url
 
 
 @flow(name="evaluate-checkpoints", flow_run_name="evaluate-{spec.name}")
 def evaluate_checkpoints(spec: TrainingSpec) -> list[dict[str, Any]]:
-    """Validate and evaluate the run's checkpoints that have no stored evaluation yet."""
-    data_url = prepare_dataset_task(spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
-    job, directory = job_for(spec, data_url), run_dir(spec)
-    done = {m.step for m in list_checkpoints(job.checkpoint.url) if eval_path(directory, m.step).exists()}
-    return completed(submit_evaluations(job, spec.eval, directory, done))
+    """Validate and evaluate the checkpoints of every run of ``spec`` that have no stored evaluation yet."""
+    evaluations: list[Evaluation] = []
+    for run_dir in Run.of_spec(spec.name):
+        run = Run.load(run_dir)
+        assert run.job.checkpoint.url is not None
+        done = {
+            m.step for m in list_checkpoints(run.job.checkpoint.url) if run_dir.eval_record(m.step).exists()
+        }
+        evaluations += submit_evaluations(run, done)
+    return completed(evaluations)[0]

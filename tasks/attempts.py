@@ -1,6 +1,6 @@
 """The run's failure history across Prefect retries: what failed, how many steps it cost, where it resumes.
 
-Each failed attempt appends one line to ``RUN_DIR/attempts.jsonl``; the train task puts the whole
+Each failed attempt appends one line to the run's ``attempts.jsonl``; the train task puts the whole
 history into its error message and a markdown artifact, so the attempt that exhausts
 ``faults.node_failure_retries`` fails with a summary instead of a bare exit code.
 """
@@ -10,15 +10,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from prefect.artifacts import create_markdown_artifact
 
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.failures import FailureKind
 from trainer.metrics import read_metrics
-
-ATTEMPTS_FILE = "attempts.jsonl"
+from trainer.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -36,10 +34,10 @@ class FailedAttempt:
 
 
 def record_failure(
-    run_dir: Path, checkpoint_url: str, kind: FailureKind, exit_code: int
+    run_dir: RunDir, checkpoint_url: str, kind: FailureKind, exit_code: int
 ) -> list[FailedAttempt]:
     """Append this attempt to the run's history; return the whole history, oldest first."""
-    records = read_metrics(run_dir / "metrics.jsonl")
+    records = read_metrics(run_dir.metrics)
     good = [m for m in list_checkpoints(checkpoint_url) if m.good]
     attempt = FailedAttempt(
         kind,
@@ -49,9 +47,9 @@ def record_failure(
         good[-1].url if good else None,
         time.time(),
     )
-    with (run_dir / ATTEMPTS_FILE).open("a") as history:
+    with run_dir.attempts.open("a") as history:
         history.write(json.dumps(asdict(attempt)) + "\n")
-    return [FailedAttempt(**json.loads(line)) for line in (run_dir / ATTEMPTS_FILE).read_text().splitlines()]
+    return [FailedAttempt(**json.loads(line)) for line in run_dir.attempts.read_text().splitlines()]
 
 
 def summary(history: list[FailedAttempt]) -> str:

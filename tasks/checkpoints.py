@@ -1,6 +1,6 @@
 """Checkpoint validation and evaluation tasks, run while training goes on and on a schedule.
 
-Each evaluation is stored as ``<run dir>/evals/step-N.json`` (so the scheduled flow skips finished
+Each evaluation is stored in the run directory's ``evals/step-N.json`` (so the scheduled flow skips finished
 ones and the loss curve can be redrawn) and published as a table plus the train-vs-eval loss curve.
 """
 
@@ -15,22 +15,20 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import task_run
 
-from deployments.spec import EvalSpec
+from deployments.run import Run
 from tasks.curves import inline_png, plot_loss_curve
+from trainer.checkpoint.pins import unpin
 from trainer.checkpoint.validate import ValidationResult, validate_checkpoint
 from trainer.config import JobConfig
 from trainer.data.loader import load_tokenizer, validation_batches
 from trainer.evaluate import evaluate_checkpoint
 from trainer.metrics import read_metrics
+from trainer.rundir import RunDir
 
 
-def eval_path(run_dir: Path, step: int) -> Path:
-    return run_dir / "evals" / f"step-{step:06d}.json"
-
-
-def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+def read_evals(run_dir: RunDir) -> list[dict[str, Any]]:
     """Every stored evaluation of the run, by step."""
-    return [json.loads(p.read_text()) for p in sorted((run_dir / "evals").glob("step-*.json"))]
+    return [json.loads(p.read_text()) for p in sorted(run_dir.evals.glob("step-*.json"))]
 
 
 def _validate_run_name() -> str:
@@ -48,12 +46,19 @@ def validate_checkpoint_task(step_url: str, job: JobConfig) -> ValidationResult:
 
 
 @task(name="evaluate", tags=["eval"])
-def evaluate_task(
-    validation: ValidationResult, job: JobConfig, spec: EvalSpec, run_dir: Path
-) -> dict[str, Any] | None:
-    """Held-out loss, perplexity and a greedy sample of a validated checkpoint; None for a corrupt one."""
-    if not validation.ok:
-        return None
+def evaluate_task(validation: ValidationResult, run: Run, pin_url: str) -> dict[str, Any] | None:
+    """Held-out loss, perplexity and a greedy sample of a validated checkpoint; None for a corrupt one.
+
+    Unpins the checkpoint when done (``pin_url``, taken when it was queued), so retention may delete it.
+    """
+    try:
+        return _evaluate(validation, run) if validation.ok else None
+    finally:
+        unpin(pin_url)
+
+
+def _evaluate(validation: ValidationResult, run: Run) -> dict[str, Any]:
+    job, spec = run.job, run.spec.eval
     assert job.data_url is not None, "evaluation reads the prepared dataset's validation split"
     tokenizer = load_tokenizer(job.data_url)
     result = evaluate_checkpoint(
@@ -68,7 +73,7 @@ def evaluate_task(
         "sample": spec.sample_prompt + tokenizer.decode(result.sample_ids),
         "url": validation.step_url,
     }
-    path = eval_path(run_dir, result.step)
+    path = run.dir.eval_record(result.step)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     create_table_artifact(
@@ -83,13 +88,13 @@ def evaluate_task(
         key=f"{job.name}-eval",
         description=f"Evaluation of {validation.step_url}",
     )
-    publish_loss_curve(run_dir, job.name)
+    publish_loss_curve(run.dir, job.name)
     return record
 
 
-def publish_loss_curve(run_dir: Path, name: str) -> Path:
+def publish_loss_curve(run_dir: RunDir, name: str) -> Path:
     """Redraw ``loss.png`` from the metrics and stored evaluations, and publish it inline."""
-    path = plot_loss_curve(read_metrics(run_dir / "metrics.jsonl"), read_evals(run_dir), run_dir / "loss.png")
+    path = plot_loss_curve(read_metrics(run_dir.metrics), read_evals(run_dir), run_dir.loss_curve)
     create_markdown_artifact(
         inline_png(path, "loss curve"),
         key=f"{name}-loss-curve",

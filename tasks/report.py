@@ -2,32 +2,30 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from deployments.spec import TrainingSpec
+from deployments.run import Run
 from trainer.checkpoint.manifest import list_checkpoints
-from trainer.config import JobConfig
 from trainer.metrics import read_metrics
-from trainer.plan import Plan
-
-GiB = 2**30
+from trainer.units import GiB
 
 
 def report_markdown(
-    spec: TrainingSpec,
-    plan: Plan,
-    job: JobConfig,
+    run: Run,
     final_url: str,
     metrics: list[dict[str, Any]],
     evals: list[dict[str, Any]],
+    missed: Sequence[str] = (),
 ) -> str:
+    spec, plan, job = run.spec, run.plan, run.job
+    assert job.checkpoint.url is not None
     last = metrics[-1] if metrics else {}
     lines = [
-        f"# {spec.name}: {spec.model.preset} on {spec.cluster.world_size} × {spec.cluster.chip}",
+        f"# {run.run_id}: {spec.model.preset} on {spec.cluster.world_size} × {spec.cluster.chip}",
         "",
         "| plan | value |",
         "|---|---|",
@@ -39,6 +37,11 @@ def report_markdown(
         f"Final step {last.get('step', '-')}: train loss {last.get('loss', float('nan')):.4f}, "
         f"{last.get('tokens_per_s', 0):.0f} tokens/s. Final checkpoint: `{final_url}`",
         "",
+        *(
+            ["Tokens per source: " + ", ".join(f"{k} {v:,}" for k, v in last["tokens_by_source"].items()), ""]
+            if last.get("tokens_by_source")
+            else []
+        ),
         "| checkpoint | step | status |",
         "|---|---|---|",
         *(f"| `{m.url}` | {m.step} | {m.status} |" for m in list_checkpoints(job.checkpoint.url)),
@@ -47,16 +50,16 @@ def report_markdown(
         "|---|---|---|---|",
         *(f"| {e['step']} | {e['loss']:.4f} | {e['perplexity']:.2f} | `{e['sample']!r}` |" for e in evals),
     ]
+    if missed:
+        lines += ["", "**Evaluations that could not run:**", "", *(f"- {line}" for line in missed)]
     return "\n".join(lines)
 
 
 @task(name="report", tags=["report"])
-def report_task(
-    spec: TrainingSpec, plan: Plan, job: JobConfig, final_url: str, run_dir: Path, evals: list[dict[str, Any]]
-) -> str:
-    markdown = report_markdown(spec, plan, job, final_url, read_metrics(run_dir / "metrics.jsonl"), evals)
+def report_task(run: Run, final_url: str, evals: list[dict[str, Any]], missed: list[str]) -> str:
+    markdown = report_markdown(run, final_url, read_metrics(run.dir.metrics), evals, missed)
     create_markdown_artifact(
-        markdown, key=f"{spec.name}-report", description=f"Training report for {spec.name}"
+        markdown, key=f"{run.spec.name}-report", description=f"Training report for run {run.run_id}"
     )
-    (run_dir / "report.md").write_text(markdown + "\n")
+    run.dir.report.write_text(markdown + "\n")
     return markdown

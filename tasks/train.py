@@ -10,11 +10,8 @@ which faults were seen, how many steps they cost and where a new run would resum
 
 from __future__ import annotations
 
-import subprocess
-import threading
+import json
 import time
-from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +20,14 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import State, TaskRun
 
 from deployments import kubernetes
-from tasks.agents import start_agent, stop_agent
 from tasks.attempts import publish, record_failure, summary
-from tasks.provision import Cluster
+from tasks.provision import LaunchTarget
 from trainer.checkpoint.manifest import list_checkpoints
-from trainer.config import JobConfig
-from trainer.failures import FailureKind, classify_exit, worker_exit_code
-from trainer.launch import LOG_TAIL_LINES, launch_env, torchrun_command
-from trainer.metrics import read_metrics
+from trainer.failures import RETRYABLE, FailureKind, classify_exit, worker_exit_code
+from trainer.launch import launch_env, run_agents
+from trainer.metrics import mirror_of, read_metrics
+from trainer.storage import write_atomic
 
-POLL_S = 1.0
 K8S_POLL_S = 10.0
 
 
@@ -40,32 +35,46 @@ class TrainingFailed(RuntimeError):
     """A training attempt that exited non-zero; ``kind`` (from trainer.failures) drives retries."""
 
     def __init__(self, kind: FailureKind, exit_code: int, log_tail: str, history: str = "") -> None:
-        last = log_tail.strip().splitlines()[-5:]
         super().__init__(
             f"training failed ({kind}, worker exit code {exit_code}){'; ' + history if history else ''}:\n"
-            + "\n".join(last)
+            + cause_of(log_tail)
         )
         self.kind = kind
         self.exit_code = exit_code
 
 
+def cause_of(log_tail: str) -> str:
+    """What the state message shows: the trainer's own one-line error (``error: [rank N] ...``) when a
+    rank printed one, rather than torchrun's ChildFailedError box; else the log's last lines."""
+    lines = log_tail.strip().splitlines()
+    said = [line for line in lines if line.startswith("error: [rank ")]
+    return said[0] if said else "\n".join(lines[-5:])
+
+
 def retry_on_node_failure(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
     """Prefect ``retry_condition_fn``: retry only what a fresh attempt can fix."""
     error = state.result(raise_on_failure=False)
-    return isinstance(error, TrainingFailed) and error.kind == "node_failure"
+    return isinstance(error, TrainingFailed) and error.kind in RETRYABLE
 
 
 class Progress:
-    """The run's progress artifact, refreshed from ``metrics.jsonl`` as the trainer appends to it."""
+    """The run's progress artifact, refreshed from ``metrics.jsonl`` as the trainer appends to it.
 
-    def __init__(self, metrics_path: Path, total_steps: int, key: str) -> None:
-        self.path, self.total, self.seen = metrics_path, total_steps, -1
+    ``source`` is the run directory's file, or the trainer's mirror of it in the run's object store
+    (``JobConfig.run_url``) for a run on other machines; ``copy_to`` then keeps a copy of what was
+    read in the run directory, so the report and the loss curve read a remote run as a local one.
+    """
+
+    def __init__(self, source: Path | str, total_steps: int, key: str, copy_to: Path | None = None) -> None:
+        self.source, self.total, self.copy_to, self.seen = source, total_steps, copy_to, -1
         self.artifact = create_progress_artifact(0.0, key=key, description="waiting for the first step")
 
     def update(self) -> None:
-        records = read_metrics(self.path)
+        records = read_metrics(self.source)
         if not records or records[-1]["step"] == self.seen:
             return
+        if self.copy_to is not None:
+            write_atomic(str(self.copy_to), "".join(json.dumps(r) + "\n" for r in records).encode())
         last = records[-1]
         self.seen = last["step"]
         slowest = (
@@ -82,74 +91,58 @@ class Progress:
         )
 
 
-def _drain(stream: Any, tail: deque[str], log: Callable[[str], None] | None) -> None:
-    for line in stream:
-        tail.append(line)
-        if log is not None:
-            log(line.rstrip())
-
-
-def run_local(cluster: Cluster, job: JobConfig, progress: Progress) -> tuple[int, str]:
-    """Run one torchrun agent per simulated node; stream node 0's output into the run logger.
-
-    The first agent to fail decides the outcome and the others are stopped at once (otherwise they
-    would wait out the collective timeout). Returns its exit code (0 if all succeeded) and log tail.
-    """
+def run_kubernetes(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
+    """(Re)submit the training JobSet and follow it until it ends; the failed pod's exit code and log
+    tail on failure. Gang restarts after a lost node happen inside the JobSet and are only logged."""
     logger = get_run_logger()
-    agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]] = []
-    failed: tuple[subprocess.Popen[str], deque[str], threading.Thread] | None = None
-    try:
-        for node in range(cluster.nodes):
-            cmd = torchrun_command(
-                cluster.job_path,
-                cluster.run_dir,
-                cluster.procs_per_node,
-                cluster.nodes,
-                node,
-                cluster.rdzv_endpoint,
-                job.faults.max_restarts,
-                run_id=job.name,
-            )
-            proc = start_agent(cmd, launch_env(job), cluster.run_dir)
-            tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-            reader = threading.Thread(
-                target=_drain, args=(proc.stdout, tail, logger.info if node == 0 else None), daemon=True
-            )
-            reader.start()
-            agents.append((proc, tail, reader))
-        while failed is None and any(proc.poll() is None for proc, _, _ in agents):
-            failed = next((agent for agent in agents if agent[0].poll()), None)
-            progress.update()
-            time.sleep(POLL_S)
-        failed = failed or next((agent for agent in agents if agent[0].poll()), None)
+    jobset = target.manifests[-1]
+    kubernetes.apply_manifests(target.manifests)
+    restarts = 0
+    while (status := kubernetes.jobset_status(jobset)).state == "running":
+        if status.restarts > restarts:
+            restarts = status.restarts
+            logger.warning("JobSet %s restarted its pods (%d so far)", jobset["metadata"]["name"], restarts)
         progress.update()
-    finally:
-        for proc, _, reader in agents:
-            stop_agent(proc)
-            reader.join(timeout=5)
-    if failed is None:
-        return 0, ""
-    return failed[0].returncode, "".join(failed[1])
-
-
-def run_kubernetes(cluster: Cluster) -> tuple[int, str]:
-    """(Re)submit the training job and wait for it; the failed pod's exit code and log tail on failure."""
-    kubernetes.apply_manifests(cluster.manifests)
-    while (outcome := kubernetes.job_outcome(cluster.manifests[-1]))[0] == "running":
         time.sleep(K8S_POLL_S)
-    _, code, tail = outcome
-    return code, tail
+    progress.update()
+    return status.exit_code, status.log_tail
+
+
+def run_local(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
+    """The local agents, node 0's output streamed into the run logger; exit code and log tail."""
+    logger = get_run_logger()
+    run = target.run
+    result = run_agents(
+        target.local_commands(),
+        launch_env(run.job),
+        run.dir,
+        echo=lambda line: logger.info(line.rstrip()),
+        poll=progress.update,
+        stopped_after_s=run.job.faults.step_timeout_s,
+    )
+    return result.returncode, result.log_tail
 
 
 @task(name="train", tags=["train"])
-def train_task(cluster: Cluster, job: JobConfig) -> str:
-    """Train to ``job.train.steps`` on ``cluster``; return the URL of the final committed checkpoint."""
-    progress = Progress(cluster.run_dir / "metrics.jsonl", job.train.steps, key=f"{job.name}-progress")
-    code, tail = run_local(cluster, job, progress) if cluster.kind == "local" else run_kubernetes(cluster)
+def train_task(target: LaunchTarget) -> str:
+    """Train the run to ``train.steps``; return the URL of the final committed checkpoint."""
+    run = target.run
+    job = run.job
+    assert job.checkpoint.url is not None
+    progress = Progress(
+        mirror_of(run.dir.metrics, job.run_url) or run.dir.metrics,
+        job.train.steps,
+        key=f"{job.name}-progress",
+        copy_to=run.dir.metrics if target.kind == "kubernetes" else None,  # locally the trainer writes it
+    )
+    with run.claim():
+        code, tail = (
+            run_local(target, progress) if target.kind == "local" else run_kubernetes(target, progress)
+        )
     kind = classify_exit(code, tail)
     if kind != "ok":
         exit_code = worker_exit_code(code, tail)
-        history = record_failure(cluster.run_dir, job.checkpoint.url, kind, exit_code)
+        history = record_failure(run.dir, job.checkpoint.url, kind, exit_code)
         publish(history, key=f"{job.name}-failures")
         raise TrainingFailed(kind, exit_code, tail, summary(history))
     checkpoints = [m for m in list_checkpoints(job.checkpoint.url) if m.good]

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments.spec import TrainingSpec
+from trainer.rundir import RunDir
 
 # The trainer's own tests use a smaller model than the tiny preset: milliseconds a step, 4 ranks on 2 cores.
 MICRO_MODEL: dict[str, Any] = {
@@ -43,3 +44,11 @@ def tiny_spec_dict(
 
 def tiny_spec(root: Path, name: str, **kwargs: Any) -> TrainingSpec:
     return TrainingSpec.model_validate(tiny_spec_dict(root, name, **kwargs))
+
+
+def run_of(runs_dir: Path, name: str) -> RunDir | None:
+    """The run of spec ``name`` under ``runs_dir``, once a flow has opened it (each test has its own
+    runs root, so there is at most one per name unless the test starts several)."""
+    runs = sorted(p for p in runs_dir.glob(f"{name}-*") if (p / "run.json").exists())
+    assert len(runs) <= 1, f"several runs of {name}: {runs}"
+    return RunDir(runs[0]) if runs else None

@@ -37,10 +37,10 @@ def test_backend_identity_and_launch_env(name: str) -> None:
     assert (env_var is None or env_var in env) and all(isinstance(v, str) for v in env.values())
 
 
-def test_trainium_launch_env_counts_neuron_cores() -> None:
+def test_trainium_launch_env_counts_neuron_cores_per_process() -> None:
     assert (
-        get_backend("trainium").launch_env(chips_per_node=16)["NEURON_RT_NUM_CORES"] == "128"
-    )  # 8 per Trainium2
+        get_backend("trainium").launch_env(chips_per_node=16)["NEURON_RT_NUM_CORES"] == "8"
+    )  # one Trainium2 chip per process, not the host's 128 cores for each of 16 processes
 
 
 @pytest.mark.parametrize("name", [n for n in BACKENDS if n != "cpu"])

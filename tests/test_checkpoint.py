@@ -8,7 +8,11 @@ then an async_process save).
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,6 +177,29 @@ def test_unusable_urls_fail_with_one_line_naming_them(tmp_path: Path) -> None:
         with pytest.raises(CheckpointStoreError) as error:
             case()
         assert named in str(error.value) and "\n" not in str(error.value)
+
+
+def test_injected_death_mid_save_leaves_a_partial_never_a_commit(tmp_path: Path) -> None:
+    """``CheckpointManager(faults=...)`` hands each save's writer to the fault injector: its death after
+    the shard files are written leaves the step directory without a manifest, which nothing resumes."""
+    code = (
+        "import torch\n"
+        "from trainer.checkpoint import CheckpointManager\n"
+        "from trainer.config import CheckpointConfig\n"
+        "from trainer.fault_injection import FaultInjector\n"
+        f"manager = CheckpointManager({str(tmp_path)!r}, CheckpointConfig(mode='sync'), 1, "
+        f"{FINGERPRINT!r}, 1, 0, {{}}, faults=FaultInjector(kill_in_save_at_step=2))\n"
+        "for step in (1, 2):\n"
+        "    manager.maybe_save(step, {'w': torch.zeros(4)}, {'tokens': step})\n"
+    )
+    env = {**os.environ, "TORCHELASTIC_RESTART_COUNT": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert "injected fault: SIGKILL rank 0 inside step 2's checkpoint write" in done.stderr
+    assert [(m.step, m.status) for m in list_checkpoints(str(tmp_path))] == [(1, "committed")]
+    assert any((tmp_path / "step-000002").glob("*.distcp"))  # the shards landed; the commit did not
 
 
 def test_retention_keeps_newest_good_and_every_kth_and_drops_partials_and_corrupt() -> None:

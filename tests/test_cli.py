@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def tessera(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "deployments.cli", *args],
+        [sys.executable, "-m", "tessera.cli", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -21,8 +21,8 @@ from trainer.data import (
     validation_batches,
 )
 from trainer.data.corpus import generated_documents
-from trainer.data.loader import ShardedSamples
-from trainer.data.shards import fetch_shard
+from trainer.data.fetch import fetch_shard
+from trainer.data.order import ShardedSamples
 
 VOCAB, SEQ = 512, 32
 
@@ -99,7 +99,7 @@ def test_rerun_reuses_and_changed_inputs_make_a_new_version(tmp_path: Path) -> N
 
 def test_stdlib_corpus_small(tmp_path: Path) -> None:
     cfg = DataConfig(source="stdlib", output_url=str(tmp_path), max_documents=8, validation_fraction=0.25)
-    url = prepare_dataset(cfg, 1024, 64, seed=0, progress=True)
+    url = prepare_dataset(cfg, 1024, 64, seed=0)
     manifest = read_manifest(url)
     assert manifest.totals["train"].documents == 6 and manifest.totals["val"].documents == 2
     text = load_tokenizer(url).decode(stored_rows(url)[:50].ravel().tolist())

@@ -21,9 +21,9 @@ import yaml
 from typer.testing import CliRunner
 
 from benchmarks.__main__ import parse_only
-from deployments.cli import app
 from deployments.pools import POOLS
 from deployments.register import REPO_ROOT
+from tessera.cli import app
 
 README = (REPO_ROOT / "README.md").read_text()
 RUN_FOR_REAL = {"validate", "schema", "plan", "render"}

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from prefect import get_client
@@ -22,12 +23,15 @@ from prefect.client.schemas.filters import (
 )
 from prefect.exceptions import PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Cancelled, Cancelling, Scheduled
 
 from deployments.register import REPO_ROOT
+from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, server_env, start_process, stop_process
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.data.manifest import read_manifest
+from trainer.metrics import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist]
 RUN_TIMEOUT_S = 420
@@ -54,7 +58,7 @@ def deployed(
     """Pools created, every deployment of prefect.yaml deployed, a worker polling tessera-cpu."""
     home = tmp_path_factory.mktemp("prefect-client")
     env = server_env(prefect_server, home)
-    cli(env, sys.executable, "-m", "deployments.cli", "pools")
+    cli(env, sys.executable, "-m", "tessera.cli", "pools")
     cli(env, sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all")
     runs = tmp_path_factory.mktemp("runs")
     worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
@@ -129,7 +133,7 @@ def test_pipeline_deployment_run_trains_validates_and_evaluates(
 
     manifest = read_manifest(str(next((tmp_path / "data").glob("*/manifest.json"))))
     assert manifest.totals["train"].shards >= 1 and manifest.totals["val"].samples > 0
-    run_dir = deployed[1] / "e2e-tiny"
+    run_dir = deployed[1] / f"e2e-tiny-{run.id.hex[:8]}"
     assert [(m.step, m.status) for m in list_checkpoints(str(run_dir / "checkpoints"))] == [
         (3, "validated"),
         (6, "validated"),
@@ -143,3 +147,110 @@ def test_pipeline_deployment_run_trains_validates_and_evaluates(
         artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sorted(keys)))
     )
     assert {a.key for a in artifacts} == keys
+
+
+def test_scheduled_runs_of_one_deployment_each_train_a_run_of_their_own(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    """What the scheduler does (a Scheduled flow run of the deployment, same parameters), twice: two
+    runs that both train from step 1, not a second one that finds the first's checkpoints and stops."""
+    spec = tiny_spec_dict(tmp_path, "e2e-sched", steps=2, interval=2, eval={"enabled": False})
+    pipeline = deployment_id(client, "train-pipeline/local-cpu")
+    scheduled = [
+        client.create_flow_run_from_deployment(
+            pipeline, parameters=json.loads(json.dumps({"spec": spec})), state=Scheduled()
+        )
+        for _ in range(2)
+    ]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for flow_run in scheduled:
+        while not (flow_run := client.read_flow_run(flow_run.id)).state.is_final():
+            assert time.monotonic() < deadline, (
+                f"flow run still {flow_run.state.name} after {RUN_TIMEOUT_S} s"
+            )
+            time.sleep(2)
+        assert flow_run.state.is_completed(), flow_run.state.message
+    run_dirs = sorted(deployed[1].glob("e2e-sched-*"))
+    assert [p.name for p in run_dirs] == sorted(f"e2e-sched-{r.id.hex[:8]}" for r in scheduled)
+    for run_dir in run_dirs:
+        assert [line["step"] for line in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+        assert json.loads((run_dir / "status.json").read_text())["resumed_from"] is None
+
+
+def trainer_processes(run_dir: Path) -> list[int]:
+    """Live torchrun agents and ranks whose command line names ``run_dir``."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and str(run_dir).encode() in argv and b"torch.distributed.run" in argv:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.fault
+def test_cancelling_a_flow_run_stops_every_trainer_process_within_seconds(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    """`prefect flow-run cancel` (or the UI's Cancel): the worker ends the flow run's process, and its
+    torchrun agents and ranks follow it (parent-death signal, then torchrun stops its ranks)."""
+    spec = tiny_spec_dict(tmp_path, "e2e-cancel", steps=5000, interval=1000, eval={"enabled": False})
+    flow_run = client.create_flow_run_from_deployment(
+        deployment_id(client, "train-pipeline/local-cpu"), parameters=json.loads(json.dumps({"spec": spec}))
+    )
+    run_dir = deployed[1] / f"e2e-cancel-{flow_run.id.hex[:8]}"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not read_metrics(run_dir / "metrics.jsonl"):
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.5)
+    assert trainer_processes(run_dir)
+    client.set_flow_run_state(flow_run.id, Cancelling())
+    cancelled_at = time.monotonic()
+    while trainer_processes(run_dir):
+        assert time.monotonic() - cancelled_at < 60, "trainer processes outlived the cancelled flow run"
+        time.sleep(0.5)
+    stopped_s = time.monotonic() - cancelled_at
+    while not (flow_run := client.read_flow_run(flow_run.id)).state.is_final():
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    assert flow_run.state.is_cancelled(), flow_run.state
+    record(
+        FaultRow(
+            "flow run cancelled (Prefect API)",
+            "recovered",
+            "trainers stopped",
+            round(stopped_s, 1),
+            None,
+            None,
+            None,
+        )
+    )
+
+
+def test_submit_overrides_a_few_fields_of_the_deployments_spec(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path]
+) -> None:
+    """`tessera submit --set` merges into the deployment's spec (not Prefect's replace-the-whole-spec),
+    validates locally, and creates the flow run; a bad override is refused before anything is created."""
+    env, _ = deployed
+    pipeline = client.read_deployment_by_name("train-pipeline/local-cpu")
+    out = cli(
+        env, sys.executable, "-m", "tessera.cli", "submit", "train-pipeline/local-cpu",
+        "--set", "train.steps=3", "--set", "optimizer.lr=1e-3", "--set", "name=e2e-submit",
+    )  # fmt: skip
+    flow_run_id = UUID(out.split("(", 1)[1].split(")", 1)[0])
+    client.set_flow_run_state(flow_run_id, Cancelled(), force=True)  # the parameters are the subject here
+    spec = client.read_flow_run(flow_run_id).parameters["spec"]
+    assert (spec["train"]["steps"], spec["optimizer"]["lr"], spec["name"]) == (3, 1e-3, "e2e-submit")
+    deployed_spec = pipeline.parameters["spec"]
+    assert spec["data"]["max_documents"] == deployed_spec["data"]["max_documents"]  # kept, not defaulted
+    assert spec["train"]["seq_len"] == deployed_spec["train"]["seq_len"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "submit", "train-pipeline/local-cpu", "--set", "parallel.tp=3"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "parallel.tp=3 must divide model.n_heads" in refused.stderr
+    assert "Traceback" not in refused.stderr

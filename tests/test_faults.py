@@ -36,20 +36,21 @@ import numpy as np
 import pytest
 
 from deployments.kubernetes import render_manifests
+from deployments.run import Run
 from deployments.spec import SPEC_DIR, TrainingSpec, load_spec
-from tasks.agents import agent_workers, kill_agent, start_agent
 from tasks.attempts import record_failure, summary
-from tasks.plan import job_for
 from tasks.provision import free_port
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import MICRO_MODEL
+from trainer.agents import agent_workers, kill_agent, start_agent
 from trainer.checkpoint import CheckpointStoreError, list_checkpoints
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
 from trainer.data.shards import TOKENS_EXT, decode_shard
 from trainer.failures import EXIT_HANG, EXIT_INFRA, UserError, classify_exit, is_infra_error
-from trainer.launch import launch_env, torchrun_command, write_job
+from trainer.launch import launch_env, torchrun_command
 from trainer.metrics import MetricsWriter, read_metrics
+from trainer.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 FINISH = REPO / "tests" / "dist" / "fault_finish.py"
@@ -116,15 +117,21 @@ class Agent:
 
 
 def launch(job: JobConfig, run_dir: Path, env: dict[str, str], entry: list[str] | None = None) -> list[Agent]:
-    """Two agents, one rank each, in one fresh c10d rendezvous on 127.0.0.1."""
-    job_json = write_job(job, run_dir)
+    """Two agents, one rank each, in one fresh c10d rendezvous on 127.0.0.1.
+
+    The job file is written unresolved, so that fault_finish.py's reference run, with the same job in
+    another directory, gets checkpoints of its own.
+    """
+    job_json = RunDir(run_dir).job
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_json.write_text(job.model_dump_json(indent=2))
     endpoint = f"127.0.0.1:{free_port()}"
     return [
         Agent(
             start_agent(
                 torchrun_command(job_json, run_dir, 1, 2, node, endpoint, 0, run_id=job.name, entry=entry),
                 env,
-                run_dir,
+                RunDir(run_dir),
             )
         )
         for node in range(2)
@@ -355,8 +362,8 @@ def test_failure_history_sums_steps_lost_and_names_the_last_good_checkpoint(tmp_
     with MetricsWriter(tmp_path / "metrics.jsonl", resumed_step=0, enabled=True) as metrics:
         for step in range(1, 4):
             metrics.write({"step": step})
-    record_failure(tmp_path, str(tmp_path / "checkpoints"), "node_failure", -9)
-    history = record_failure(tmp_path, str(tmp_path / "checkpoints"), "node_failure", EXIT_HANG)
+    record_failure(RunDir(tmp_path), str(tmp_path / "checkpoints"), "node_failure", -9)
+    history = record_failure(RunDir(tmp_path), str(tmp_path / "checkpoints"), "node_failure", EXIT_HANG)
     assert [a.exit_code for a in history] == [-9, EXIT_HANG]
     assert summary(history) == (
         "2 failed attempt(s): node_failure (exit -9) at step 3, node_failure (exit 4) at step 3; "
@@ -379,13 +386,13 @@ def test_credentials_in_the_environment_reach_no_log_or_run_file(scenario: Scena
 
 @pytest.mark.parametrize("name", ["gpu-llama3-8b-h100", "tpu-llama3-70b-v5p"])
 def test_rendered_manifests_and_specs_carry_no_credentials(
-    name: str, monkeypatch: pytest.MonkeyPatch
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     for variable in CREDENTIALS:
         monkeypatch.setenv(variable, SECRET)
-    spec = load_spec(SPEC_DIR / f"{name}.yaml")
-    job = job_for(spec, "s3://bucket/data/manifest.json")
-    rendered = json.dumps(render_manifests(spec, job)) + spec.model_dump_json() + job.model_dump_json()
+    monkeypatch.setenv("TESSERA_RUNS_DIR", str(tmp_path))
+    run = Run.open(load_spec(SPEC_DIR / f"{name}.yaml"), data_url="s3://bucket/data/manifest.json")
+    rendered = json.dumps(render_manifests(run)) + run.spec.model_dump_json() + run.job.model_dump_json()
     assert SECRET not in rendered
 
 

@@ -12,18 +12,20 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import pytest
-from prefect import get_client
+from prefect import flow, get_client, task
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import TaskRun
 
-from flows.pipeline import evaluate_checkpoints, train_pipeline
+from flows.pipeline import Evaluation, completed, evaluate_checkpoints, train_pipeline
 from tests.fault_report import FaultRow, record
-from tests.pipeline_specs import tiny_spec
+from tests.pipeline_specs import run_of, tiny_spec
 from tests.sockets import ListenerSampler
 from trainer.checkpoint.manifest import list_checkpoints
+from trainer.checkpoint.pins import pin, pinned_steps
 from trainer.metrics import read_metrics
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.dist]
@@ -59,20 +61,24 @@ def training_workers(run_dir: Path) -> list[int]:
 
 
 class Killer(threading.Thread):
-    """SIGKILLs one training worker once the run has logged ``step`` (after a committed checkpoint);
-    ``killed_at`` is the wall-clock time of the kill, for the reliability report."""
+    """SIGKILLs one training worker once the run of ``name`` has logged ``step`` (after a committed
+    checkpoint); ``killed_at`` is the wall-clock time of the kill, for the reliability report."""
 
-    def __init__(self, run_dir: Path, step: int) -> None:
+    def __init__(self, runs_dir: Path, name: str, step: int) -> None:
         super().__init__(daemon=True)
-        self.run_dir, self.step = run_dir, step
+        self.runs_dir, self.name, self.step = runs_dir, name, step
         self.killed_at: float | None = None
         self.start()
 
     def run(self) -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            records = read_metrics(self.run_dir / "metrics.jsonl")
-            workers = training_workers(self.run_dir)
+            run_dir = run_of(self.runs_dir, self.name)  # the flow names its run once it starts
+            if run_dir is None:
+                time.sleep(0.05)
+                continue
+            records = read_metrics(run_dir.metrics)
+            workers = training_workers(run_dir.path)
             if records and records[-1]["step"] >= self.step and workers:
                 os.kill(workers[-1], signal.SIGKILL)
                 self.killed_at = time.time()
@@ -106,13 +112,14 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
     spec = tiny_spec(
         tmp_path, "flow-fault", steps=12, interval=4, faults={"max_restarts": 0, "node_failure_retries": 1}
     )  # no in-job restart: the task retries
-    run_dir = runs_dir / spec.name
-    killer = Killer(run_dir, step=5)
+    killer = Killer(runs_dir, spec.name, step=5)
     with ListenerSampler(os.getpid()) as sampler:
         state = train_pipeline(spec, return_state=True)
     killer.join(timeout=1)
     assert state.is_completed(), state.message
     assert killer.killed_at is not None
+    run = run_of(runs_dir, spec.name)
+    assert run is not None and run.run_id == f"{spec.name}-{state.state_details.flow_run_id.hex[:8]}"
 
     # Every port the run listened on (Prefect's server, gloo, loader workers) is on loopback, except
     # torchrun's rendezvous store: torch 2.13's TCPStore binds all interfaces and has no option not to.
@@ -124,9 +131,9 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
 
     train = train_task_run(state.state_details.flow_run_id)
     assert train.run_count == 2, "the killed attempt was retried once"
-    metrics = read_metrics(run_dir / "metrics.jsonl")
+    metrics = read_metrics(run.metrics)
     assert [r["step"] for r in metrics] == list(range(1, 13))  # resumed, no dupes
-    (failed,) = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    (failed,) = [json.loads(line) for line in run.attempts.read_text().splitlines()]
     assert (failed["kind"], failed["checkpoint_step"]) == ("node_failure", 4)
     first_resumed = next(r for r in metrics if r["time"] > killer.killed_at)
     assert first_resumed["step"] == 5
@@ -142,23 +149,21 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
         )
     )
 
-    checkpoints = list_checkpoints(str(run_dir / "checkpoints"))
+    checkpoints = list_checkpoints(str(run.checkpoints))
     assert [(m.step, m.status) for m in checkpoints] == [
         (4, "validated"),
         (8, "validated"),
         (12, "validated"),
     ]
     assert state.result() == checkpoints[-1].url
-    evals = [json.loads(p.read_text()) for p in sorted((run_dir / "evals").glob("*.json"))]
+    evals = [json.loads(p.read_text()) for p in sorted(run.evals.glob("*.json"))]
     assert [e["step"] for e in evals] == [4, 8, 12] and all(e["perplexity"] > 1 for e in evals)
-    assert (run_dir / "loss.png").stat().st_size > 0 and "| 12 | validated |" in (
-        run_dir / "report.md"
-    ).read_text()
+    assert run.loss_curve.stat().st_size > 0 and "| 12 | validated |" in run.report.read_text()
     assert artifact_keys(spec.name) == {
         f"{spec.name}-{k}" for k in ("plan", "progress", "eval", "loss-curve", "report")
     }
 
-    (run_dir / "evals" / "step-000008.json").unlink()
+    run.eval_record(8).unlink()
     assert [e["step"] for e in evaluate_checkpoints(spec)] == [8]  # only the missing evaluation is redone
 
 
@@ -203,3 +208,85 @@ def test_a_fault_on_every_attempt_exhausts_the_retries_and_fails_with_a_summary(
             None,
         )
     )
+
+
+def flow_run_count(flow_run_id: UUID) -> int:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).run_count
+
+
+@pytest.mark.fault
+def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checked(
+    tmp_path: Path, runs_dir: Path
+) -> None:
+    """The resume rules of deployments/run.py, each through a real flow run on the Prefect server."""
+    # A retry of the flow run reopens its run and resumes: kill -9 at step 3, no task retry, one flow retry.
+    spec = tiny_spec(
+        tmp_path, "ident", steps=4, interval=2, faults={"max_restarts": 0, "node_failure_retries": 0}
+    )
+    killer = Killer(runs_dir, spec.name, step=3)
+    first = train_pipeline.with_options(retries=1)(spec, return_state=True)
+    killer.join(timeout=1)
+    assert first.is_completed(), first.message
+    assert killer.killed_at is not None and flow_run_count(first.state_details.flow_run_id) == 2
+    run = run_of(runs_dir, spec.name)
+    assert run is not None
+    assert [r["step"] for r in read_metrics(run.metrics)] == [1, 2, 3, 4]
+    assert json.loads(run.status.read_text())["resumed_from"] == 2
+
+    # A new flow run of an edited spec (a UI run, a schedule, a second `tessera run`) is a new run: it
+    # trains all its steps in its own directory and leaves the first run alone.
+    edited = tiny_spec(tmp_path, "ident", steps=6, interval=2)
+    second = train_pipeline(edited, return_state=True)
+    assert second.is_completed(), second.message
+    (fresh,) = [r for r in runs_dir.glob("ident-*") if r != run.path]
+    assert fresh.name == f"ident-{second.state_details.flow_run_id.hex[:8]}"
+    assert [r["step"] for r in read_metrics(fresh / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((fresh / "status.json").read_text())["resumed_from"] is None
+    assert [r["step"] for r in read_metrics(run.metrics)] == [1, 2, 3, 4]
+
+    # Continuing the first run with a spec that trains differently is refused, naming the field...
+    resumed = tiny_spec(tmp_path, "ident", steps=6, interval=2, resume_from=run.run_id)
+    refused = train_pipeline(resumed, return_state=True)
+    assert refused.is_failed()
+    assert f"run {run.run_id} was started with a spec that trains differently: train.steps: 4 → 6" in str(
+        refused.message
+    ) + str(refused.result(raise_on_failure=False))
+    assert not run.metrics.read_text().count('"step": 5')
+
+    # ...and continued, in its own directory, when the user says the change is intended.
+    allowed = tiny_spec(
+        tmp_path, "ident", steps=6, interval=2, resume_from=run.run_id, allow_changes=["train.steps"]
+    )
+    continued = train_pipeline(allowed, return_state=True)
+    assert continued.is_completed(), continued.message
+    assert [r["step"] for r in read_metrics(run.metrics)] == [1, 2, 3, 4, 5, 6]
+    assert json.loads(run.status.read_text())["resumed_from"] == 4
+    assert len(list(runs_dir.glob("ident-*"))) == 2
+
+
+@task
+def unreadable_checkpoint(step: int) -> dict[str, Any]:
+    raise FileNotFoundError(f"step-{step:06d}/.metadata: deleted under the evaluation")
+
+
+@task
+def evaluated(step: int) -> dict[str, Any]:
+    return {"step": step}
+
+
+def test_an_evaluation_that_could_not_run_is_reported_and_its_pin_dropped(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+
+    @flow
+    def two_evaluations() -> tuple[list[dict[str, Any]], list[str]]:
+        pins = [pin(url, step, "flow-test") for step in (4, 8)]
+        futures = [evaluated.submit(4), unreadable_checkpoint.submit(8)]
+        return completed([Evaluation(s, p, f) for s, p, f in zip((4, 8), pins, futures, strict=True)])
+
+    results, missed = two_evaluations()
+    assert results == [{"step": 4}]
+    assert (
+        len(missed) == 1 and missed[0].startswith("step 8: ") and "deleted under the evaluation" in missed[0]
+    )
+    assert pinned_steps(url) == set()

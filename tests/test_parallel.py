@@ -17,13 +17,14 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.dist.parallel_layouts import LAYOUTS, SHARDED_INIT
 from tests.torchrun import run_torchrun
 from trainer.config import ModelConfig
 from trainer.model import Transformer, canonical_fqn
 from trainer.parallel import apply_ac, apply_compile, token_loss
 
 REPO = Path(__file__).resolve().parents[1]
-WORKER = "tests.dist.parallel_layouts"
+WORKER = "tests.dist.parallel_layouts"  # its LAYOUTS name each layout checked
 # fp32 runs differ from the reference only in reduction order; bf16 compute is looser by design.
 FP32_RTOL = 1e-4
 BF16_RTOL = 1e-2
@@ -42,7 +43,7 @@ def test_every_layout_matches_the_single_process_reference(curves: dict[str, Any
     untied = references["untied"]
     assert untied["loss"][-1] < untied["loss"][0], "the reference must actually train"
     assert all(norm > 0.5 for norm in untied["grad_norm"]), "clipping (max_norm 0.5) must be exercised"
-    assert len(layouts) == 11
+    assert list(layouts) == [*LAYOUTS, SHARDED_INIT], "every layout ran, the sharded-init path last"
     mismatches = []
     for name, run in layouts.items():
         expected = references["tied" if run["tied"] else "untied"]

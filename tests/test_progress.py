@@ -18,7 +18,7 @@ FOLLOW = """
 import sys, time
 from pathlib import Path
 from trainer.progress import StepProgress
-with StepProgress(Path(sys.argv[1]), total_steps=4):
+with StepProgress(lambda: Path(sys.argv[1]), total_steps=4):
     time.sleep(1.2)
 """
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.spec import SPEC_DIR, SpecError, TrainingSpec, load_spec, parse_spec
+from deployments.spec import SPEC_DIR, SpecError, TrainingSpec, apply_overrides, load_spec, parse_spec
 
 SPECS = sorted(SPEC_DIR.glob("*.yaml"))
 
@@ -37,7 +37,7 @@ def test_preset_fills_dimensions_and_override_wins() -> None:
         ({"modle": {}}, "modle: unknown field"),
         ({"train": {"steps": -1}}, "train.steps: Input should be greater than or equal to 1"),
         ({"model": {"preset": "custom", "dim": 64}}, "model.preset=custom needs model.n_layers"),
-        ({"name": "Bad Name!"}, "name: String should match pattern"),
+        ({"name": "Bad Name!"}, "name: 'Bad Name!' is not a name of lowercase letters, digits and '-'"),
     ],
 )
 def test_bad_specs_name_the_field(patch: dict, needle: str) -> None:
@@ -68,3 +68,19 @@ def test_schema_documents_every_field() -> None:
         walk(definition, name)
     accel = schema["$defs"]["ClusterSpec"]["properties"]["accelerator"]
     assert accel["enum"] == ["cpu", "gpu", "tpu", "trainium"]
+
+
+def test_set_overrides_merge_into_a_spec_and_bad_ones_name_themselves() -> None:
+    deployed = {"name": "tiny-local", "train": {"steps": 60, "seq_len": 128}, "data": {"max_documents": 400}}
+    merged = apply_overrides(deployed, ["train.steps=30", "optimizer.lr=1e-3", "data.paths=[a.txt, b.txt]"])
+    assert merged == {
+        "name": "tiny-local",
+        "train": {"steps": 30, "seq_len": 128},
+        "data": {"max_documents": 400, "paths": ["a.txt", "b.txt"]},
+        "optimizer": {"lr": 0.001},
+    }
+    assert deployed["train"]["steps"] == 60  # the deployment's own spec is not touched
+    with pytest.raises(SpecError, match="write FIELD=VALUE"):
+        apply_overrides(deployed, ["train.steps"])
+    with pytest.raises(SpecError, match="name is not a section of the spec"):
+        apply_overrides(deployed, ["name.first=x"])

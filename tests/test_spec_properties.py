@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from typing import Any
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from prefect.utilities.callables import parameter_schema
+from prefect.utilities.schema_tools.validation import validate
 
 from deployments.spec import SpecError, TrainingSpec, parse_spec
+from flows.pipeline import train_pipeline
 from trainer.failures import UserError
 from trainer.plan import plan_for_job
 
@@ -63,7 +67,7 @@ def accept_or_name_the_field(spec: dict[str, Any], section: str) -> None:
         plan_for_job(parsed.job_config(data_url=None))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(mutated_specs())
 @example((BASE | {"model": {"preset": "custom", "n_layers": 10**15, "dim": 64, "n_heads": 4}}, "model"))
 @example((BASE | {"name": "../escape"}, "name"))
@@ -84,3 +88,38 @@ def test_names_that_could_escape_or_break_the_run_directory_are_rejected(name: s
 def test_a_spec_that_is_not_a_mapping_is_one_clear_error(data: object) -> None:
     with pytest.raises(SpecError, match="expected a mapping of spec fields"):
         parse_spec(data, "ui")
+
+
+PIPELINE_SCHEMA = parameter_schema(train_pipeline).model_dump_for_openapi()
+
+
+def server_accepts(spec: dict[str, Any]) -> bool:
+    """What the Prefect server decides for a run's parameters: the deployment's JSON schema, checked
+    by the same function the server's API calls before it creates a flow run."""
+    return not validate({"spec": spec}, PIPELINE_SCHEMA, raise_on_error=False)
+
+
+def spec_accepts(spec: dict[str, Any]) -> bool:
+    """What `tessera validate`, `tessera run` and the flow's own parameter check decide."""
+    try:
+        parse_spec(spec, "door")
+    except SpecError:
+        return False
+    return True
+
+
+@settings(max_examples=2000, deadline=1000)
+@given(mutated_specs())
+@example((BASE | {"train": {**BASE["train"], "steps": True}}, "train"))
+@example((BASE | {"optimizer": {"lr": float("inf")}}, "optimizer"))
+@example((BASE | {"seed": 2**64}, "seed"))
+@example((BASE | {"data": {"loader_workers": 100_000}}, "data"))
+@example((BASE | {"cluster": {**BASE["cluster"], "namespace": "x; rm -rf /"}}, "cluster"))
+@example((BASE | {"faults": {"collective_timeout_s": 1e300}}, "faults"))
+def test_a_spec_the_cli_accepts_the_server_accepts_too(case: tuple[dict[str, Any], str]) -> None:
+    """One door: nothing passes `tessera validate` and is then refused by the server (or the reverse
+    for anything JSON schema can say; rules across fields, and finiteness, which JSON cannot express,
+    are the flow's first check, within seconds of the run starting)."""
+    spec, _ = case
+    if spec_accepts(spec):
+        assert server_accepts(json.loads(json.dumps(spec))), spec

@@ -9,20 +9,25 @@ import signal
 import sys
 from pathlib import Path
 
+import matplotlib.image
+import numpy as np
 import pytest
 from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.states import Completed, Failed
 
+from deployments.run import Run
 from deployments.spec import SPEC_DIR, load_spec
-from tasks.agents import start_agent, stop_agent
 from tasks.curves import plot_loss_curve
 from tasks.data import prepare_dataset_task
-from tasks.plan import job_for, plan_task
+from tasks.plan import plan_task
 from tasks.provision import provision_task, teardown_task
 from tasks.train import TrainingFailed, retry_on_node_failure
 from tests.pipeline_specs import tiny_spec
+from trainer.agents import start_agent, stop_agent
 from trainer.data.manifest import read_manifest
+from trainer.failures import EXIT_PREEMPTED, classify_exit
+from trainer.plan.checkpointing import daly_interval_seconds
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -58,36 +63,40 @@ def test_data_preparation_is_cached_on_its_inputs(tmp_path: Path) -> None:
 def test_plan_publishes_a_table_and_warns_when_oversubscribed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plan = plan_task(tiny_spec(tmp_path, "plan-ok"), None)
+    plan = plan_task(Run.open(tiny_spec(tmp_path, "plan-ok")))
     assert plan.fits
     rows = {row["quantity"]: row["value"] for row in artifact("plan-ok-plan")}
     assert rows["fits in HBM"] == "yes" and rows["checkpoint interval"] == "3 steps"
     assert {"memory per chip", "step time", "MFU"} <= set(rows)
     big = tiny_spec(tmp_path, "plan-big", model={"preset": "llama3-8b"}, allow_oversubscribe=True)
-    assert not plan_task(big, None).fits
+    assert not plan_task(Run.open(big)).fits
     assert "launching anyway because allow_oversubscribe is set" in caplog.text
 
 
 def test_job_resolves_checkpoint_url_and_auto_interval(tmp_path: Path, runs_dir: Path) -> None:
-    job = job_for(tiny_spec(tmp_path, "auto", checkpoint={"interval": "auto"}), "file:///d/manifest.json")
-    assert job.checkpoint.url == str(runs_dir / "auto" / "checkpoints")
-    assert job.checkpoint_interval_steps and job.checkpoint_interval_steps >= 1
+    run = Run.open(tiny_spec(tmp_path, "auto", checkpoint={"interval": "auto"}), data_url="file:///d/m.json")
+    job, plan = run.job, run.plan
+    assert run.dir.path.parent == runs_dir and run.run_id.startswith("auto-")
+    assert job.checkpoint.url == str(runs_dir / run.run_id / "checkpoints")
+    # Young/Daly: checkpoint every sqrt(2·C·M)-ish seconds of compute, C the blocking write, M the MTBF.
+    optimum_s = max(
+        daly_interval_seconds(plan.checkpoint_blocking_s, plan.mtbf_hours * 3600), plan.checkpoint_write_s
+    )
+    assert job.checkpoint_interval_steps == max(1, round(optimum_s / plan.step_time_s))
+    assert json.loads(run.dir.job.read_text())["checkpoint_interval_steps"] == job.checkpoint_interval_steps
 
 
 def test_provision_local_multi_node_and_kubernetes(tmp_path: Path, runs_dir: Path) -> None:
     spec = tiny_spec(tmp_path, "two-nodes", cluster={"nodes": 2, "chips_per_node": 1})
-    local = provision_task(spec, job_for(spec, None))
-    assert local.kind == "local" and local.nodes == 2 and local.procs_per_node == 1
+    local = provision_task(Run.open(spec))
+    assert local.kind == "local" and len(local.local_commands()) == 2
     assert local.rdzv_endpoint and local.rdzv_endpoint.startswith("127.0.0.1:")
-    assert local.job_path == runs_dir / "two-nodes" / "job.json" and local.job_path.exists()
+    assert all(f"--rdzv-endpoint={local.rdzv_endpoint}" in command for command in local.local_commands())
+    assert local.run.dir.job.exists() and local.run.dir.path.parent == runs_dir
     gpu = load_spec(SPEC_DIR / "gpu-llama3-8b-h100.yaml")
-    remote = provision_task(gpu, job_for(gpu, "s3://b/d/manifest.json"))
-    assert remote.kind == "kubernetes" and [m["kind"] for m in remote.manifests] == [
-        "ConfigMap",
-        "Service",
-        "Job",
-    ]
-    assert (runs_dir / gpu.name / "manifests" / "tessera-llama3-8b-h100.yaml").exists()
+    remote = provision_task(Run.open(gpu, data_url="s3://b/d/manifest.json"))
+    assert remote.kind == "kubernetes" and [m["kind"] for m in remote.manifests] == ["ConfigMap", "JobSet"]
+    assert (remote.run.dir.manifests / f"{remote.run.run_id}.yaml").exists()
 
 
 def test_retry_condition_retries_only_node_failures() -> None:
@@ -95,32 +104,50 @@ def test_retry_condition_retries_only_node_failures() -> None:
         return retry_on_node_failure(None, None, state)  # type: ignore[arg-type]
 
     assert decide(Failed(data=TrainingFailed("node_failure", -9, "exitcode  : -9 (pid: 1)")))
+    assert decide(
+        Failed(data=TrainingFailed("preempted", EXIT_PREEMPTED, "preempted (SIGTERM) after step 7"))
+    )
     assert not decide(Failed(data=TrainingFailed("user_error", 3, "loss is NaN")))
     assert not decide(Failed(data=ValueError("a bug")))
     assert not decide(Completed(data="s3://ckpt"))
+    root_cause = f"Root Cause (first observed failure):\n  exitcode  : {EXIT_PREEMPTED} (pid: 1)\n====="
+    assert classify_exit(1, root_cause) == "preempted"
 
 
 def test_loss_curve_is_a_png(tmp_path: Path) -> None:
+    """The PNG shows what it claims: a falling train line (C0 blue) and the eval points (C1 orange)."""
     metrics = [{"step": s, "loss": 8.0 - 0.1 * s} for s in range(1, 11)]
     evals = [{"step": 5, "loss": 7.6}, {"step": 10, "loss": 7.1}]
     path = plot_loss_curve(metrics, evals, tmp_path / "loss.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = (matplotlib.image.imread(path)[..., :3] * 255).round()
+
+    def where(rgb: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
+        rows, cols = np.nonzero((np.abs(pixels - rgb) < 40).all(axis=-1))
+        return rows, cols
+
+    rows, cols = where((31, 119, 180))  # the train line
+    assert cols.max() - cols.min() > pixels.shape[1] / 2, "the train line spans the plot"
+    left, right = rows[cols < np.percentile(cols, 25)], rows[cols > np.percentile(cols, 75)]
+    assert np.median(left) < np.median(right), "the loss falls: the line goes down to the right"
+    eval_rows, eval_cols = where((255, 127, 14))  # the eval markers and the line between them
+    assert len(eval_cols) > 50 and np.median(eval_cols) > np.median(cols), "evals sit at steps 5 and 10"
+    early = eval_cols < np.median(eval_cols)
+    assert np.median(eval_rows[early]) < np.median(eval_rows[~early]), "eval loss falls from 7.6 to 7.1"
 
 
 def test_teardown_stops_agents_a_cancelled_train_task_left_running(tmp_path: Path, runs_dir: Path) -> None:
-    spec = tiny_spec(tmp_path, "teardown")
-    cluster = provision_task(spec, job_for(spec, None))
+    target = provision_task(Run.open(tiny_spec(tmp_path, "teardown")))
+    run_dir = target.run.dir
     # A real process shaped like a torchrun agent of this run (argv names the launcher and the run dir).
     agent = start_agent(
-        [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run", str(cluster.run_dir)],
+        [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run", str(run_dir.path)],
         dict(os.environ),
-        cluster.run_dir,
+        run_dir,
     )
-    stranger = start_agent(
-        [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ), cluster.run_dir
-    )
+    stranger = start_agent([sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ), run_dir)
     try:
-        teardown_task(cluster)
+        teardown_task(target)
         assert agent.wait(timeout=20) == -signal.SIGTERM
         assert stranger.poll() is None, "a process that is not this run's agent is left alone"
     finally:

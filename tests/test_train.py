@@ -1,6 +1,6 @@
 """The training loop and its launch path: real torchrun over gloo, three launches in all.
 
-1. ``run_local`` (what ``tessera train`` runs), 4 processes: rank 0 hangs at step 6 → the watchdog
+1. a Run's torchrun agent (what ``tessera train`` runs), 4 processes: rank 0 hangs at step 6 → the watchdog
    exits 4 → classified a node failure; the step-4 checkpoint was committed by 4 ranks.
 2. ``tests/dist/train_scenarios.py``, 2 processes: two identical runs (determinism), resuming the
    4-process checkpoint on 2 processes (resharding), and the bad inputs.
@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from deployments.run import Run
 from deployments.spec import TrainingSpec
 from tests.fault_report import FaultRow, record, seconds_between
 from tests.pipeline_specs import MICRO_MODEL
@@ -29,9 +30,10 @@ from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
 from trainer.config import JobConfig, OptimizerConfig
 from trainer.failures import EXIT_HANG, classify_exit, worker_exit_code
-from trainer.launch import LaunchResult, launch_env, run_local, torchrun_command
+from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
+from trainer.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = Path(__file__).parent / "data" / "torchrun_logs"
@@ -60,13 +62,19 @@ def job_of(spec: dict[str, Any]) -> JobConfig:
     return TrainingSpec.model_validate(spec).job_config(data_url=None)
 
 
+def launch(spec: dict[str, Any], run_dir: Path) -> LaunchResult:
+    """What ``tessera train SPEC --run-dir RUN_DIR`` does, in this process."""
+    run = Run.open(TrainingSpec.model_validate(spec), RunDir(run_dir))
+    return run_agents([run.torchrun_command()], launch_env(run.job), run.dir)
+
+
 def tessera_train(spec: dict[str, Any], run_dir: Path, faults: dict[str, str]) -> tuple[int, str]:
     """``tessera train`` of ``spec`` into ``run_dir`` with the ``TESSERA_FAULT_*`` hooks in ``faults``:
     its exit code and everything it printed."""
     spec_file = run_dir.with_suffix(".yaml")
     spec_file.write_text(yaml.safe_dump(spec))
     done = subprocess.run(
-        [sys.executable, "-m", "deployments.cli", "train", str(spec_file), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "tessera.cli", "train", str(spec_file), "--run-dir", str(run_dir)],
         cwd=REPO,
         env={**launch_env(job_of(spec)), **faults},
         capture_output=True,
@@ -95,17 +103,15 @@ def hung_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LaunchResu
     base = tmp_path_factory.mktemp("train")
     # Sync checkpoints here and in the crash test: the step-4 checkpoint must be committed before the
     # fault at step 6 however slow a loaded CI box is (the async path is covered by runs a and b).
-    job = job_of(
-        spec_with(
-            parallel={"dp_shard": 4},
-            cluster={"chips_per_node": 4},
-            checkpoint={"mode": "sync"},
-            faults={"step_timeout_s": 10},
-        )
+    spec = spec_with(
+        parallel={"dp_shard": 4},
+        cluster={"chips_per_node": 4},
+        checkpoint={"mode": "sync"},
+        faults={"step_timeout_s": 10},
     )
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TESSERA_FAULT_HANG_AT_STEP", "6")
-        return base, run_local(job, base / "from4", echo=False)
+        return base, launch(spec, base / "from4")
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +214,8 @@ def test_crash_restart_resume_matches_uninterrupted_curve(
     assert "resumed from step 4" in output
     assert curve(run_dir) == curve(base / "a")  # bitwise, across the crash
     assert json.loads((run_dir / "status.json").read_text())["resumed_from"] == 4
-    assert json.loads((run_dir / "job.json").read_text())["name"] == "train-test"
+    job = json.loads((run_dir / "job.json").read_text())
+    assert (job["name"], job["run_id"]) == ("train-test", "run")  # tessera train's run is its --run-dir
     record(
         FaultRow(
             "kill -9 of one rank at step 6 (torchrun restarts the group)",
@@ -271,7 +278,7 @@ def test_tessera_train_refuses_a_process_count_that_is_not_the_world_size(tmp_pa
         [
             sys.executable,
             "-m",
-            "deployments.cli",
+            "tessera.cli",
             "train",
             str(spec),
             "--run-dir",

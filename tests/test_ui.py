@@ -81,7 +81,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     worker = None
     try:
         wait_healthy(f"{url}/api", server, home / "server.log")
-        run_cli(env, sys.executable, "-m", "deployments.cli", "pools")
+        run_cli(env, sys.executable, "-m", "tessera.cli", "pools")
         run_cli(env, sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--name", DEPLOYMENT)
         runs = tmp_path_factory.mktemp("runs")
         worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
@@ -207,14 +207,15 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
             time.sleep(1)
         assert run.state.is_completed(), run.state.message
         assert run.parameters["spec"]["name"] == "ui-run"  # the form's edit is what ran
-        assert (runs / "ui-run" / "loss.png").exists() and (runs / "ui-run" / "memory.png").exists()
+        run_dir = runs / f"ui-run-{flow_run_id.hex[:8]}"  # each flow run is a run of its own
+        assert (run_dir / "loss.png").exists() and (run_dir / "memory.png").exists()
 
         # The graph is the declared pipeline, linked by real data dependencies.
         tasks = task_runs_by_name(client, flow_run_id)
-        (prepare,), (plan,), (provision,), (train,), (report,) = (
-            tasks[n] for n in ("prepare-dataset", "plan", "provision", "train", "report")
+        (prepare,), (opened,), (plan,), (provision,), (train,), (report,) = (
+            tasks[n] for n in ("prepare-dataset", "open-run", "plan", "provision", "train", "report")
         )
-        assert prepare.id in upstream(plan)
+        assert prepare.id in upstream(opened) and opened.id in upstream(plan)
         assert plan.id in upstream(provision, "wait_for")
         assert provision.id in upstream(train)
         assert len(tasks["validate"]) == len(tasks["evaluate"]) == 2

@@ -6,6 +6,7 @@ One torchrun launch: a checkpoint saved by one process is validated by loading i
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from trainer.checkpoint import (
     list_checkpoints,
     read_manifest,
 )
+from trainer.checkpoint.pins import PIN_TTL_S, pin, pinned_steps, unpin
 from trainer.checkpoint.validate import load_and_check, validate_checkpoint
 from trainer.config import CheckpointConfig, JobConfig
 
@@ -146,3 +148,53 @@ def test_no_loadable_checkpoint_fails_once_then_the_retry_starts_fresh(copy: Pat
     with pytest.raises(CheckpointError, match=r"no checkpoint under .* loads"):
         restore(copy)
     assert restore(copy) == (None, [(1, "corrupt"), (2, "corrupt")])
+
+
+DAMAGED_MANIFESTS = {
+    "invalid JSON": b"{not json",
+    "empty object": b"{}",
+    "no files key": b'{"step": 2, "tokens": 1, "model_fingerprint": "x", "world_size": 1, "layout": {}}',
+    "wrong type": b'{"step": "two", "tokens": 1, "model_fingerprint": "x", "world_size": 1, "layout": {}, "files": {}}',
+    "a list": b"[]",
+    "empty file": b"",
+}
+
+
+@pytest.mark.fault
+@pytest.mark.parametrize("damage", DAMAGED_MANIFESTS)
+def test_damaged_manifest_is_a_corrupt_checkpoint_and_resume_falls_back(copy: Path, damage: str) -> None:
+    """A tessera.json that does not parse is one more corrupt checkpoint: no crash loop, no traceback."""
+    (copy / "step-000002" / "tessera.json").write_bytes(DAMAGED_MANIFESTS[damage])
+    assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
+    assert read_manifest(str(copy / "step-000002")).reason.startswith("unreadable tessera.json (")
+    assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])  # the retry does not trip on it either
+    if damage == "invalid JSON":
+        record_fallback("damaged tessera.json in the newest checkpoint (invalid JSON, {}, missing keys)", 1)
+
+
+def test_damaged_manifest_in_an_older_checkpoint_is_skipped_too(copy: Path) -> None:
+    (copy / "step-000001" / "tessera.json").write_bytes(b"{}")
+    assert restore(copy) == (2, [(1, "corrupt"), (2, "committed")])
+
+
+def test_a_pinned_checkpoint_outlives_retention_until_unpinned(tmp_path: Path) -> None:
+    """What keeps retention from deleting a checkpoint whose validation or evaluation is queued."""
+    url = str(tmp_path / "ckpt")
+    manager = CheckpointManager(
+        url, CheckpointConfig(mode="sync", keep_last=1), 1, JOB.model_fingerprint(), 1, 0, {}
+    )
+    trainee = Trainee(world=1, rank=0)
+
+    def save(step: int) -> list[int]:
+        trainee.step()
+        manager.maybe_save(step, trainee.state(), {"tokens": step * TOKENS_PER_STEP})
+        return [m.step for m in list_checkpoints(url)]
+
+    assert save(1) == [1]
+    held = pin(url, 1, "tiny-local-0123abcd")
+    assert save(2) == [1, 2] and save(3) == [1, 3]  # keep_last=1, but step 1 is pinned
+    unpin(held)
+    assert save(4) == [4]
+    pin(url, 4, "crashed-pipeline")
+    assert pinned_steps(url) == {4}
+    assert pinned_steps(url, now=time.time() + PIN_TTL_S + 1) == set()  # a crashed pipeline's pin expires

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.hub import HUB_URL_PREFIXES
 
@@ -23,13 +24,50 @@ ActivationCheckpointing = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
 AsyncMode = Literal["sync", "async", "async_process"]
 
-PositiveInt = Annotated[int, Field(ge=1)]
+# Every count in a spec is bounded: large enough for any real run, small enough that nothing
+# overflows downstream (torch seeds, int32 tensors) or loops over it for hours.
+MAX_COUNT = 2**31 - 1
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+# Durations: positive and at most a week, so a typo like 1e300 fails here, not inside a timedelta.
+Seconds = Annotated[float, Field(gt=0, le=7 * 24 * 3600)]
+
+
+OUTPUT_RULE = (
+    "A relative path is taken from the working directory and must stay inside it (no '..' out of it)."
+)
+
+
+def confined_output(location: str) -> str:
+    """A place tessera writes: an object-store URL, an absolute path other than /, or a relative path
+    that stays inside the working directory, normalised (``data/./x/`` → ``data/x``)."""
+    if not location.strip():
+        raise ValueError("is empty; give a directory such as data, an absolute path, or a gs:// / s3:// URL")
+    if "://" in location:
+        scheme, _, rest = location.partition("://")
+        if not scheme.isidentifier() or not rest.strip("/"):
+            raise ValueError(f"{location!r} names no bucket or path; use e.g. s3://bucket/prefix")
+        return location
+    normalised = posixpath.normpath(location)
+    if normalised == "/":
+        raise ValueError("is the filesystem root; give a directory of its own")
+    if normalised == ".." or normalised.startswith("../"):
+        raise ValueError(
+            f"{location!r} leaves the working directory; use a path inside it or an absolute path"
+        )
+    return normalised
+
+
+OutputLocation = Annotated[str, AfterValidator(confined_output)]
 
 
 class Strict(BaseModel):
     """Base for every config section: unknown keys are errors, not silently ignored typos."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: a spec means the same at every door. `true` is not 1 and 0 is not false, as the Prefect
+    # server's JSON schema sees them too. allow_inf_nan=False: YAML's .inf would pass `gt=0` and
+    # become null in job.json.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, strict=True)
 
 
 # Model shapes. The llama3 rows are the published Llama 3 / 3.1 architectures (Dubey et al. 2024,
@@ -125,6 +163,12 @@ class ParallelConfig(Strict):
         "fp32", description="Parameter/compute dtype for FSDP; gradients are always reduced in fp32."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
+    reshard_after_forward: bool = Field(
+        True,
+        description="FSDP2: free gathered parameters after forward and gather again in backward "
+        "(ZeRO-3). False keeps them unsharded until backward (ZeRO-2-like, as Llama 3 trained): "
+        "one all-gather fewer per step for one unsharded model copy of memory. Pipelines always keep them.",
+    )
 
     @property
     def dp(self) -> int:
@@ -156,7 +200,7 @@ class OptimizerConfig(Strict):
 
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
-    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    warmup_steps: Count = Field(10, description="Linear warmup steps.")
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2.")
@@ -167,10 +211,10 @@ class OptimizerConfig(Strict):
 class CheckpointConfig(Strict):
     """Sharded DCP checkpoints through fsspec."""
 
-    url: str | None = Field(
+    url: OutputLocation | None = Field(
         None,
         description="Where checkpoints go: a local path, gs://bucket/path or s3://bucket/path. "
-        "Default: <run dir>/checkpoints.",
+        "Default: the run directory's checkpoints/. " + OUTPUT_RULE,
     )
     interval: PositiveInt | Literal["auto"] = Field(
         "auto",
@@ -193,14 +237,18 @@ class CheckpointConfig(Strict):
 class FaultsConfig(Strict):
     """Failure handling: in-job restarts, then task-level retries on node failure only."""
 
-    node_failure_retries: int = Field(3, ge=0, description="Prefect task retries after a node failure.")
-    retry_delay_s: float = Field(5.0, ge=0, description="Seconds between task retries.")
-    max_restarts: int = Field(2, ge=0, description="torchrun --max-restarts: in-job restarts of all workers.")
-    step_timeout_s: float = Field(
-        300.0, gt=0, description="Watchdog: a step slower than this is a hang (treated as a node failure)."
+    node_failure_retries: int = Field(
+        3, ge=0, le=100, description="Prefect task retries after a node failure."
     )
-    collective_timeout_s: float = Field(
-        600.0, gt=0, description="Process-group timeout, so a lost peer fails fast instead of after 30 min."
+    retry_delay_s: float = Field(5.0, ge=0, le=24 * 3600, description="Seconds between task retries.")
+    max_restarts: int = Field(
+        2, ge=0, le=100, description="torchrun --max-restarts: in-job restarts of all workers."
+    )
+    step_timeout_s: Seconds = Field(
+        300.0, description="Watchdog: a step slower than this is a hang (treated as a node failure)."
+    )
+    collective_timeout_s: Seconds = Field(
+        600.0, description="Process-group timeout, so a lost peer fails fast instead of after 30 min."
     )
 
 
@@ -224,8 +272,8 @@ class HardwareConfig(Strict):
         return self.nodes * self.chips_per_node
 
 
-class DataConfig(Strict):
-    """The corpus, how it is tokenized and sharded, and how the trainer reads it."""
+class CorpusConfig(Strict):
+    """One corpus: where its documents come from and how they are read."""
 
     source: Literal["stdlib", "generated", "files"] = Field(
         "stdlib",
@@ -237,16 +285,7 @@ class DataConfig(Strict):
     )
     format: Literal["auto", "text", "jsonl", "parquet"] = Field("auto", description="Input file format.")
     text_field: str = Field("text", description="Column holding the text (JSONL/Parquet).")
-    tokenizer: str | None = Field(
-        None,
-        description="Existing tokenizer.json to use; default: train a byte-level BPE to model.vocab_size.",
-    )
-    output_url: str = Field("data", description="Where shards + manifest go: local path, gs:// or s3://.")
-    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for eval, by seed.")
     max_documents: int | None = Field(None, ge=1, description="Use at most N documents (quick runs).")
-    samples_per_shard: int = Field(1024, ge=1, description="Packed samples per webdataset tar shard.")
-    num_proc: int = Field(1, ge=1, description="Processes for tokenization (datasets.map num_proc).")
-    loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
 
     @field_validator("paths")
     @classmethod
@@ -258,6 +297,104 @@ class DataConfig(Strict):
                     "the files to a local path, gs:// or s3:// and list that in data.paths"
                 )
         return paths
+
+
+class MixtureSource(CorpusConfig):
+    """One source of a mixture: a corpus, its name in metrics, and its sampling weight."""
+
+    name: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9_-]*$",
+        description="Short name (web, code, books): the key of its tokens in metrics.jsonl and the report.",
+    )
+    weight: float = Field(
+        gt=0, description="Relative sampling weight before any schedule stage (normalised over sources)."
+    )
+
+
+class MixtureStage(Strict):
+    """New weights from a step on: how a run anneals onto other data late in training."""
+
+    step: PositiveInt = Field(description="First training step drawn with these weights.")
+    weights: list[Annotated[float, Field(ge=0)]] = Field(
+        description="One relative weight per source, in the order of mixture.sources; 0 pauses a source."
+    )
+
+
+class MixtureConfig(Strict):
+    """Several corpora drawn with weights: one shared tokenizer, one prepared dataset per source."""
+
+    sources: list[MixtureSource] = Field(min_length=2, description="The corpora and their weights.")
+    schedule: list[MixtureStage] = Field(
+        default_factory=list, description="Weight changes by step, in increasing step order."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MixtureConfig:
+        names = [source.name for source in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.mixture.sources: names must be unique, got {names}")
+        steps = [stage.step for stage in self.schedule]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"data.mixture.schedule: steps must increase, got {steps}")
+        for stage in self.schedule:
+            if len(stage.weights) != len(names) or not sum(stage.weights) > 0:
+                raise ValueError(
+                    f"data.mixture.schedule step {stage.step}: give {len(names)} weights (for {names}) "
+                    "with a positive sum"
+                )
+        return self
+
+
+class DataConfig(CorpusConfig):
+    """The corpus (or a mixture of corpora), how it is tokenized and sharded, and how the trainer reads it."""
+
+    mixture: MixtureConfig | None = Field(
+        None,
+        description="Draw from several sources with weights instead of the one corpus above "
+        "(then leave source/paths/format/text_field/max_documents unset here).",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="Existing tokenizer.json to use; default: train a byte-level BPE to model.vocab_size "
+        "on a deterministic sample (the first tokenizer_sample_mb of each source).",
+    )
+    tokenizer_sample_mb: float = Field(
+        64, gt=0, description="Text the tokenizer trains on, in MB, split evenly over the sources."
+    )
+    output_url: str = Field("data", description="Where shards + manifest go: local path, gs:// or s3://.")
+    validation_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for eval, by seed.")
+    samples_per_shard: int = Field(1024, ge=1, description="Packed samples per webdataset tar shard.")
+    dedup: bool = Field(False, description="Drop exact duplicate documents (first occurrence kept).")
+    min_chars: int = Field(0, ge=0, description="Drop documents shorter than this many characters.")
+    max_chars: int | None = Field(None, ge=1, description="Drop documents longer than this many characters.")
+    num_proc: int = Field(
+        1,
+        ge=1,
+        description="Processes preparing parts: 1 prepares in the flow's process, more start a Dask "
+        "LocalCluster of that many single-threaded workers.",
+    )
+    dask_address: str | None = Field(
+        None,
+        description="A running Dask scheduler (tcp://host:8786) to prepare on instead; num_proc is then "
+        "ignored.",
+    )
+    loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
+
+    @model_validator(mode="after")
+    def _one_corpus_or_a_mixture(self) -> DataConfig:
+        corpus_fields = set(CorpusConfig.model_fields) & self.model_fields_set
+        if self.mixture is not None and corpus_fields:
+            raise ValueError(
+                f"data.{', data.'.join(sorted(corpus_fields))} and data.mixture both set; give each "
+                "mixture source its own corpus fields"
+            )
+        return self
+
+    def corpora(self) -> dict[str, CorpusConfig]:
+        """Every corpus to prepare, by source name (``main`` when there is no mixture)."""
+        if self.mixture is None:
+            return {"main": self}
+        return {source.name: source for source in self.mixture.sources}
 
 
 def layout_errors(
@@ -311,8 +448,16 @@ def _divisors(n: int) -> list[int]:
 class JobConfig(Strict):
     """Everything ``python -m trainer.train`` needs, and nothing it must not know (no Prefect, no k8s)."""
 
-    name: str = Field("tessera", description="Run name.")
-    seed: int = Field(0, description="Seed for init, data order and dropout-free determinism.")
+    name: str = Field("tessera", description="The spec's name (artifact keys, logs).")
+    run_id: str | None = Field(
+        None, description="The run's identity (its directory's name); None for a job run outside a Run."
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**63 - 1,
+        description="Seed for init, data order and dropout-free determinism.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -324,7 +469,12 @@ class JobConfig(Strict):
         None,
         description="URL of a prepared dataset's manifest.json; None trains on deterministic synthetic tokens.",
     )
-    loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
+    loader_workers: int = Field(1, ge=0, le=64, description="Data loader worker processes per rank.")
+    run_url: str | None = Field(
+        None,
+        description="Object-store URL (gs://, s3://) rank 0 mirrors the run's metrics to as it trains, so an "
+        "orchestrator elsewhere follows them (a Kubernetes pod's own run directory dies with the pod).",
+    )
     checkpoint_interval_steps: PositiveInt | None = Field(
         None, description="Resolved interval (the planner fills it when checkpoint.interval is 'auto')."
     )

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.checkpoint import APP_KEY, CheckpointMismatch, CheckpointStoreError, read_manifest, store
+from trainer.checkpoint import APP_KEY, CheckpointStoreError, check_model, read_manifest, store
 from trainer.config import JobConfig
 from trainer.model import Transformer
 
@@ -33,11 +33,7 @@ def load_model(step_url: str, job: JobConfig) -> tuple[int, Transformer]:
     if manifest is None or not manifest.good:
         state = "no committed manifest" if manifest is None else f"status {manifest.status}"
         raise CheckpointStoreError(f"checkpoint {step_url} has {state}; evaluate a committed checkpoint")
-    if manifest.model_fingerprint != job.model_fingerprint():
-        raise CheckpointMismatch(
-            f"checkpoint {step_url} holds model {manifest.model_fingerprint}, the job's model is "
-            f"{job.model_fingerprint()}; evaluate it with the job config it was saved from"
-        )
+    check_model(manifest, job.model_fingerprint())
     model = Transformer(job.model, max_seq_len=job.train.seq_len)
     store.load({APP_KEY: {"model": model.state_dict()}}, step_url, no_dist=True)
     return manifest.step, model.eval()

@@ -1,6 +1,6 @@
 """The exit-code contract between the trainer, torchrun and the orchestrator's retry condition.
 
-A training attempt ends in one of three ways, and only one of them deserves a retry:
+A training attempt ends in one of four ways, and two of them deserve a retry:
 
 * ``ok`` — exit 0.
 * ``node_failure`` — the job died for reasons outside its code: a process killed by a signal
@@ -8,12 +8,14 @@ A training attempt ends in one of three ways, and only one of them deserves a re
   or had its connection reset, the step watchdog firing on a hang (:data:`EXIT_HANG`), or the
   object store / a data-loader worker failing underneath the job (:data:`EXIT_INFRA`).
   Retrying resumes from the last committed checkpoint and is expected to succeed.
+* ``preempted`` — the job was told to stop (SIGTERM) and checkpointed the step it was on before
+  exiting :data:`EXIT_PREEMPTED`; retrying resumes there, with no step lost.
 * ``user_error`` — the job itself is wrong: an invalid config, a NaN loss, a checkpoint of another
   model shape, out of memory on the first step (:data:`EXIT_USER_ERROR`), or any other Python
   exception raised by a rank. Retrying would fail the same way, so the orchestrator fails fast.
 
 torchrun restarts the workers after any failure (``--max-restarts``), user errors included; a rank that
-fails with one leaves :data:`USER_ERROR_FILE` in the run directory, and a restarted rank that finds it
+fails with one leaves ``user_error.json`` in the run directory, and a restarted rank that finds it
 exits at once with the same message instead of failing the same way again (:func:`restarted_after_user_error`).
 
 torchrun always exits 1 when a worker fails; the worker's own exit code is in the "Root Cause"
@@ -26,16 +28,18 @@ import json
 import os
 import re
 import signal
-from pathlib import Path
 from typing import Literal
+
+from trainer.rundir import RunDir
 
 EXIT_OK = 0
 EXIT_USER_ERROR = 3  # a failure retrying cannot fix
 EXIT_HANG = 4  # the step watchdog fired: treated as a node failure
 EXIT_INFRA = 5  # the store, the network or a loader worker failed under the job: a node failure
+EXIT_PREEMPTED = 6  # SIGTERM: the running step was checkpointed before exiting (trainer.preemption)
 
-FailureKind = Literal["ok", "user_error", "node_failure"]
-USER_ERROR_FILE = "user_error.json"
+FailureKind = Literal["ok", "user_error", "node_failure", "preempted"]
+RETRYABLE: tuple[FailureKind, ...] = ("node_failure", "preempted")
 
 
 class UserError(Exception):
@@ -75,7 +79,7 @@ def is_infra_error(error: BaseException) -> bool:
     connection from the checkpoint store mid-save, a peer's closed gloo connection, a killed
     data-loader worker. A missing file, a denied permission or a bad URL stay user errors.
     """
-    from trainer.data.fs import is_transient  # here: importing trainer.data costs seconds
+    from trainer.storage import is_transient  # here: most importers of this module never touch a store
 
     seen: set[int] = set()
     current: BaseException | None = error
@@ -92,21 +96,24 @@ def _launch() -> tuple[str, int]:
     return os.environ.get("TORCHELASTIC_RUN_ID", ""), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def record_user_error(run_dir: Path, message: str) -> None:
+def record_user_error(run_dir: RunDir, message: str) -> None:
     """Note a user error of this attempt for the launch's next restart (any rank may; last one wins)."""
     run_id, restart = _launch()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f"{USER_ERROR_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps({"run_id": run_id, "attempt": restart, "message": message}))
-    tmp.replace(run_dir / USER_ERROR_FILE)
+    tmp = run_dir.user_error.with_name(f"{run_dir.user_error.name}.{os.getpid()}")
+    try:
+        run_dir.path.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"run_id": run_id, "attempt": restart, "message": message}))
+        tmp.replace(run_dir.user_error)
+    except OSError:  # e.g. the disk is full: the error itself still reaches the log, one line
+        tmp.unlink(missing_ok=True)
 
 
-def restarted_after_user_error(run_dir: Path) -> str | None:
+def restarted_after_user_error(run_dir: RunDir) -> str | None:
     """On a torchrun restart after a user error in the same launch, that error's message; else None.
 
     A new launch (restart count 0, e.g. after the user fixed the spec) clears the old note.
     """
-    note = run_dir / USER_ERROR_FILE
+    note = run_dir.user_error
     run_id, restart = _launch()
     if restart == 0:
         note.unlink(missing_ok=True)
@@ -146,7 +153,8 @@ def classify_exit(returncode: int, log_tail: str) -> FailureKind:
     Rules, first match wins:
     1. exit 0 → ``ok``;
     2. the launcher itself, or the first failed worker, was killed by a signal → ``node_failure``;
-    3. the worker exited with :data:`EXIT_HANG` or :data:`EXIT_INFRA` → ``node_failure``;
+    3. the worker exited with :data:`EXIT_PREEMPTED` → ``preempted``; with :data:`EXIT_HANG` or
+       :data:`EXIT_INFRA` → ``node_failure``;
     4. the worker exited with :data:`EXIT_USER_ERROR` → ``user_error``;
     5. the failure shows a lost peer, rendezvous or collective timeout → ``node_failure``;
     6. anything else (a Python exception in a rank) → ``user_error``.
@@ -158,6 +166,8 @@ def classify_exit(returncode: int, log_tail: str) -> FailureKind:
     if returncode == 0:
         return "ok"
     code = worker_exit_code(returncode, log_tail)
+    if code == EXIT_PREEMPTED:
+        return "preempted"
     if killed_by_signal(returncode) or killed_by_signal(code) or code in (EXIT_HANG, EXIT_INFRA):
         return "node_failure"
     if code == EXIT_USER_ERROR:

@@ -1,4 +1,4 @@
-"""Launch ``python -m trainer.train`` under torchrun: the command, its environment, and a local run.
+"""Launch ``python -m trainer.train`` under torchrun: the command, its environment, local agents.
 
 The same command serves every target: one agent per host, ``--standalone`` on one host, a shared
 c10d rendezvous across hosts (or across several agents on 127.0.0.1 to simulate them).
@@ -7,19 +7,26 @@ c10d rendezvous across hosts (or across several agents on 127.0.0.1 to simulate 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
+from trainer.agents import is_stopped, kill_agent, start_agent, stop_agent
 from trainer.backends import get_backend
 from trainer.config import JobConfig
 from trainer.failures import FailureKind, UserError, classify_exit, worker_exit_code
+from trainer.rundir import RunDir
 
-JOB_FILE = "job.json"
 LOG_TAIL_LINES = 200  # enough to hold torchrun's root-cause block and the ranks' last words
+POLL_S = 1.0
 
 
 def torchrun_command(
@@ -79,38 +86,89 @@ class LaunchResult:
     log_tail: str
 
 
-def write_job(job: JobConfig, run_dir: Path) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / JOB_FILE
-    path.write_text(job.model_dump_json(indent=2))
-    return path
+def _drain(stream: IO[str], tail: deque[str], echo: Callable[[str], object] | None) -> None:
+    for line in stream:
+        tail.append(line)
+        if echo is not None:
+            echo(line)
 
 
-def run_local(job: JobConfig, run_dir: Path, nproc: int | None = None, echo: bool = True) -> LaunchResult:
-    """Run the job on this host with one torchrun agent, streaming its output; never raises on failure.
+class Stopped(Exception):
+    """The launcher was told to stop (SIGTERM, SIGHUP, a cancelled flow run): not a failure of the job."""
 
-    ``nproc`` defaults to the job's world size; any other value is refused up front, since the
-    parallel degrees in the spec must multiply to the number of processes.
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into :class:`Stopped` in the main thread, so that every ``finally``
+    on the way out runs: agents stopped, the lease released, Prefect's temporary server shut down.
+    Elsewhere than the main thread (signal handlers live there) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_agents(
+    commands: list[list[str]],
+    env: dict[str, str],
+    run_dir: RunDir,
+    echo: Callable[[str], object] | None = None,
+    poll: Callable[[], None] = lambda: None,
+    stopped_after_s: float = 300.0,
+) -> LaunchResult:
+    """Run one torchrun agent per command on this host and wait for them; never raises on failure.
+
+    Each agent runs in its own session, recorded in the run directory, so a tear-down can stop it
+    even when this call could not. The first agent's output goes to ``echo``; ``poll`` runs about
+    once a second (the progress artifact). The first agent to fail decides the outcome and the others
+    are stopped at once, since they would otherwise wait out the collective timeout. An agent held
+    stopped (SIGSTOP) for ``stopped_after_s`` is a hang: it is killed, which reads as a node failure.
     """
-    world = job.parallel.world_size
-    nproc = world if nproc is None else nproc
-    if nproc != world:
-        raise UserError(
-            f"--nproc {nproc} does not match the spec's world size {world} (dp_replicate×dp_shard×tp×pp); "
-            f"pass --nproc {world} or change parallel/cluster in the spec"
-        )
-    cmd = torchrun_command(
-        write_job(job, run_dir), run_dir, nproc, max_restarts=job.faults.max_restarts, run_id=job.name
-    )
-    tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-    with subprocess.Popen(
-        cmd, env=launch_env(job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line)
-            if echo:
-                sys.stdout.write(line)
+    agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]] = []
+    failed = None
+    stopped_since: dict[int, float] = {}
+    try:
+        for node, command in enumerate(commands):
+            proc = start_agent(command, env, run_dir)
+            tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+            reader = threading.Thread(
+                target=_drain, args=(proc.stdout, tail, echo if node == 0 else None), daemon=True
+            )
+            reader.start()
+            agents.append((proc, tail, reader))
+        while failed is None and any(proc.poll() is None for proc, _, _ in agents):
+            failed = next((agent for agent in agents if agent[0].poll()), None)
+            for proc, tail, _ in agents:
+                if _held_stopped(proc.pid, stopped_since, stopped_after_s):
+                    note = f"tessera: agent {proc.pid} was stopped for {stopped_after_s:.0f} s; killed it\n"
+                    tail.append(note)
+                    if echo is not None:
+                        echo(note)
+                    kill_agent(proc.pid)
+            poll()
+            time.sleep(POLL_S)
+        failed = failed or next((agent for agent in agents if agent[0].poll()), None)
+        poll()
+    finally:
+        for proc, _, reader in agents:
+            stop_agent(proc)
+            reader.join(timeout=5)
+    if failed is None:
+        return LaunchResult(0, 0, "ok", "")
+    proc, tail, _ = failed
     log_tail = "".join(tail)
     return LaunchResult(
         proc.returncode,
@@ -118,3 +176,11 @@ def run_local(job: JobConfig, run_dir: Path, nproc: int | None = None, echo: boo
         classify_exit(proc.returncode, log_tail),
         log_tail,
     )
+
+
+def _held_stopped(pid: int, since: dict[int, float], limit_s: float) -> bool:
+    """Whether ``pid`` has been stopped for ``limit_s``; ``since`` remembers when each stop began."""
+    if not is_stopped(pid):
+        since.pop(pid, None)
+        return False
+    return time.monotonic() - since.setdefault(pid, time.monotonic()) >= limit_s

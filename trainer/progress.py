@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -26,14 +27,15 @@ def interactive() -> bool:
 
 
 class StepProgress:
-    """A rich bar over training steps (step n/N, loss, tokens/s) read from ``metrics_path``.
+    """A rich bar over training steps (step n/N, loss, tokens/s) read from the run's ``metrics.jsonl``.
 
+    ``metrics`` finds that file: the run directory may only be known once the flow has opened the run.
     A no-op when not :func:`interactive`. The bar appears with the first logged step, so it does not
     sit at 0% through data preparation; on resume it starts from the resumed step.
     """
 
-    def __init__(self, metrics_path: Path, total_steps: int) -> None:
-        self.path, self.total = metrics_path, total_steps
+    def __init__(self, metrics: Callable[[], Path | None], total_steps: int) -> None:
+        self.metrics, self.total = metrics, total_steps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, name="step-progress", daemon=True)
 
@@ -59,7 +61,8 @@ class StepProgress:
         task = None
         while True:
             stopping = self._stop.wait(POLL_S)
-            records = read_metrics(self.path)
+            path = self.metrics()
+            records = read_metrics(path) if path is not None else []
             if records and task is None:
                 bar.start()
                 task = bar.add_task("train", total=self.total, status="")

@@ -36,29 +36,30 @@ from trainer.backends import get_backend, get_chip
 from trainer.backends.base import local_rank
 from trainer.checkpoint import CheckpointError, CheckpointManager, ModelOptimizerState, RNGState
 from trainer.config import JobConfig
-from trainer.data import build_loader
+from trainer.data import StepLoader, build_loader
 from trainer.data.errors import DataError
 from trainer.failures import (
     EXIT_INFRA,
     EXIT_OK,
+    EXIT_PREEMPTED,
     EXIT_USER_ERROR,
     UserError,
     is_infra_error,
     record_user_error,
     restarted_after_user_error,
 )
-from trainer.faults import FaultInjector
-from trainer.metrics import MetricsWriter
+from trainer.fault_injection import FaultInjector
+from trainer.job import resolve_job
+from trainer.metrics import MetricsWriter, mirror_of
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import ParallelModel, build_parallel_model
-from trainer.plan import plan_for_job, resolve_checkpoint_interval
+from trainer.plan import plan_for_job
+from trainer.preemption import Preempted, PreemptionWatch
+from trainer.rundir import RunDir
 from trainer.telemetry import gather_host_times, straggler_fields
 from trainer.watchdog import StepWatchdog
 
 log = logging.getLogger("tessera.train")
-
-METRICS_FILE = "metrics.jsonl"
-STATUS_FILE = "status.json"
 
 
 @dataclass(frozen=True)
@@ -69,111 +70,171 @@ class TrainResult:
     final_checkpoint: str | None
 
 
-def train(job: JobConfig, run_dir: Path) -> TrainResult:
-    """Train ``job`` to ``job.train.steps`` on the current torchrun process group, resuming if possible."""
+@dataclass
+class Session:
+    """What one training process holds: model, optimizers, data, checkpoints, fault hooks."""
+
+    job: JobConfig
+    rank: int
+    device: torch.device
+    model: ParallelModel
+    optimizers: list[torch.optim.Optimizer]
+    loader: StepLoader
+    state: dict[str, Stateful]
+    ckpt: CheckpointManager
+    faults: FaultInjector
+    preemption: PreemptionWatch
+
+
+def open_session(job: JobConfig) -> Session:
+    """Join the process group and build everything a step needs, on this rank's device."""
     backend = get_backend(job.hardware.accelerator)
     backend.require()
     backend.init_process_group(job.faults.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != job.parallel.world_size:
-        raise UserError(
-            f"torchrun started {world} processes but the spec's parallel degrees give world size "
-            f"{job.parallel.world_size}; launch with --nproc-per-node {job.parallel.world_size} or change the spec"
-        )
     device = backend.device(local_rank())
     torch.manual_seed(job.seed)
-
     model = build_parallel_model(job, device)
     optimizers = [build_optimizer(part, job.optimizer) for part in model.parts]
     loader = build_loader(job, model.dp_rank, model.dp_size)
     # Model, optimizer, RNG and loader position: everything a bitwise-identical resume needs. The
-    # learning-rate schedule is a function of the step, rebuilt from the checkpoint's step below.
+    # learning-rate schedule is a function of the step, rebuilt from the checkpoint's step.
     state: dict[str, Stateful] = {
         "app": ModelOptimizerState(model.parts, optimizers),
         "rng": RNGState(rank),
         "loader": loader,
     }
     faults = FaultInjector.from_env()
+    assert job.checkpoint.url is not None and job.checkpoint_interval_steps is not None, "resolve_job first"
     ckpt = CheckpointManager(
-        job.checkpoint.url or str(run_dir / "checkpoints"),
+        job.checkpoint.url,
         job.checkpoint,
-        job.checkpoint_interval_steps or resolve_checkpoint_interval(job),
+        job.checkpoint_interval_steps,
         job.model_fingerprint(),
         world,
         rank,
         layout=job.parallel.model_dump(),
-        wrap_writer=lambda writer, step: faults.checkpoint_writer(writer, step, rank, world),
+        faults=faults,
     )
-    n_micro = job.train.global_batch_size // (model.dp_size * job.train.micro_batch_size)
-    tokens_per_step = job.train.global_batch_size * job.train.seq_len
-    flops_per_step = plan_for_job(job).flops_per_step
-    peak_flops = world * get_chip(job.hardware.chip).peak_bf16_flops
-    max_norm = job.optimizer.grad_clip or math.inf  # inf: measure the norm, never clip
-    loss_value = None
+    return Session(job, rank, device, model, optimizers, loader, state, ckpt, faults, PreemptionWatch(device))
+
+
+def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
+    """Train ``job`` to ``job.train.steps`` on the current torchrun process group, resuming if possible.
+
+    The job is resolved here (a no-op for the ``job.json`` a Run wrote; see :mod:`trainer.job`), so a
+    hand-written job file or a library caller gets the same checkpoint location and cadence.
+    """
+    job = resolve_job(job, run_dir)
+    session = open_session(job)
     try:
-        restored = ckpt.restore(state)
-        start = 0
+        restored = session.ckpt.restore(session.state)
+        start = restored.step if restored is not None else 0
         if restored is not None:
-            start = restored.step
             log.info("resumed from step %d (%s)", start, restored.url)
-        schedulers = [
-            build_scheduler(opt, job.optimizer, job.train.steps, steps_done=start) for opt in optimizers
-        ]
-        metrics = MetricsWriter(run_dir / METRICS_FILE, resumed_step=start, enabled=rank == 0)
-        with StepWatchdog(job.faults.step_timeout_s, rank) as watchdog, metrics:
-            for step in range(start + 1, job.train.steps + 1):
-                watchdog.arm(step)
-                began = time.perf_counter()
-                faults.before_step(step, rank, world)
-                inputs, targets = next(loader)
-                logged = step % job.train.log_every == 0 or step == job.train.steps
-                host_times = gather_host_times(time.perf_counter() - began, device) if logged else []
-                loss = _forward_backward(model, inputs, targets, n_micro, first=step == start + 1)
-                loss_value = faults.loss(step, loss).item()
-                if not math.isfinite(loss_value):
-                    raise UserError(
-                        f"loss is {loss_value} at step {step}; lower optimizer.lr (now {job.optimizer.lr:g}), "
-                        f"raise optimizer.warmup_steps, or check the data around step {step}"
-                    )
-                grad_norm = model.clip_grad_norm_(max_norm).item()
-                lr = optimizers[0].param_groups[0]["lr"]
-                for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    scheduler.step()
-                step_time = time.perf_counter() - began
-                if logged:
-                    metrics.write(
-                        {
-                            "step": step,
-                            "time": time.time(),  # wall clock: lines up a run's metrics with its logs
-                            "loss": loss_value,
-                            "lr": lr,
-                            "grad_norm": grad_norm,
-                            "tokens": step * tokens_per_step,
-                            "tokens_per_s": tokens_per_step / step_time,
-                            "step_time_s": step_time,
-                            "mfu": flops_per_step / (step_time * peak_flops),
-                            **(straggler_fields(step, host_times) if rank == 0 else {}),
-                        }
-                    )
-                # A checkpoint write may legitimately outlast a step; the collective timeout bounds it.
-                watchdog.disarm()
-                ckpt.maybe_save(
-                    step,
-                    state,
-                    meta={"tokens": step * tokens_per_step, "loss": loss_value},
-                    force=step == job.train.steps,
-                )
+        loss = run_steps(session, start, run_dir)
     finally:
-        ckpt.close()  # also on errors: finish committing the last good checkpoint
-        loader.close()
+        session.ckpt.close()  # also on errors: finish committing the last good checkpoint
+        session.loader.close()
     dist.barrier()  # rank 0 commits asynchronously: after this, every rank sees the final checkpoint
-    final = ckpt.latest()
-    result = TrainResult(job.train.steps, loss_value, start or None, final.url if final else None)
-    if rank == 0:
-        (run_dir / STATUS_FILE).write_text(json.dumps({"state": "completed", **asdict(result)}, indent=2))
+    final = session.ckpt.latest()
+    result = TrainResult(job.train.steps, loss, start or None, final.url if final else None)
+    if session.rank == 0:
+        run_dir.status.write_text(json.dumps({"state": "completed", **asdict(result)}, indent=2))
     return result
+
+
+def run_steps(session: Session, start: int, run_dir: RunDir) -> float | None:
+    """Steps ``start + 1`` .. ``train.steps``: each trained, logged on log steps, and checkpointed on
+    the interval and at the end. Returns the last step's loss (None if there was no step to run)."""
+    job, model = session.job, session.model
+    schedulers = [
+        build_scheduler(opt, job.optimizer, job.train.steps, steps_done=start) for opt in session.optimizers
+    ]
+    n_micro = job.train.global_batch_size // (model.dp_size * job.train.micro_batch_size)
+    telemetry = StepTelemetry(job, session.device, session.rank)
+    loss_value = None
+    metrics = MetricsWriter(
+        run_dir.metrics,
+        resumed_step=start,
+        enabled=session.rank == 0,
+        mirror_url=mirror_of(run_dir.metrics, job.run_url),
+    )
+    with StepWatchdog(job.faults.step_timeout_s, session.rank) as watchdog, metrics:
+        for step in range(start + 1, job.train.steps + 1):
+            watchdog.arm(step)
+            began = time.perf_counter()
+            session.faults.before_step(step, session.rank, job.parallel.world_size)
+            inputs, targets = next(session.loader)
+            logged = step % job.train.log_every == 0 or step == job.train.steps
+            host_times = telemetry.host_times(began) if logged else []
+            loss = _forward_backward(model, inputs, targets, n_micro, first=step == start + 1)
+            loss_value = _finite(session.faults.loss(step, loss).item(), step, job)
+            grad_norm = model.clip_grad_norm_(job.optimizer.grad_clip or math.inf).item()  # inf: never clip
+            lr = session.optimizers[0].param_groups[0]["lr"]
+            for optimizer, scheduler in zip(session.optimizers, schedulers, strict=True):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+            if logged:
+                metrics.write(
+                    telemetry.record(step, loss_value, lr, grad_norm, time.perf_counter() - began, host_times)
+                    | telemetry.tokens_by_source(session.loader.source_samples())
+                )
+            # A checkpoint write may legitimately outlast a step; the collective timeout bounds it.
+            watchdog.disarm()
+            meta = {"tokens": step * telemetry.tokens_per_step, "loss": loss_value}
+            stop = session.preemption.agreed()
+            session.ckpt.maybe_save(step, session.state, meta=meta, force=step == job.train.steps or stop)
+            if stop:
+                raise Preempted(step)
+    return loss_value
+
+
+class StepTelemetry:
+    """The fields of a ``metrics.jsonl`` line: loss, throughput, MFU against the chip's peak, stragglers."""
+
+    def __init__(self, job: JobConfig, device: torch.device, rank: int) -> None:
+        self.device, self.rank = device, rank
+        self.tokens_per_step = job.train.global_batch_size * job.train.seq_len
+        self.seq_len = job.train.seq_len
+        self.flops_per_step = plan_for_job(job).flops_per_step
+        self.peak_flops = job.parallel.world_size * get_chip(job.hardware.chip).peak_bf16_flops
+
+    def host_times(self, began: float) -> list[float]:
+        """Every rank's time before its first collective this step (a collective: all ranks call it)."""
+        return gather_host_times(time.perf_counter() - began, self.device)
+
+    def record(
+        self, step: int, loss: float, lr: float, grad_norm: float, step_time: float, host_times: list[float]
+    ) -> dict[str, float | int | bool | str]:
+        return {
+            "step": step,
+            "time": time.time(),  # wall clock: lines up a run's metrics with its logs
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": step * self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "mfu": self.flops_per_step / (step_time * self.peak_flops),
+            **(straggler_fields(step, host_times) if self.rank == 0 else {}),
+        }
+
+    def tokens_by_source(self, source_samples: dict[str, int]) -> dict[str, dict[str, int]]:
+        """A mixture's tokens trained so far per source (samples × seq_len); nothing for one dataset."""
+        if not source_samples:
+            return {}
+        return {"tokens_by_source": {name: n * self.seq_len for name, n in source_samples.items()}}
+
+
+def _finite(loss: float, step: int, job: JobConfig) -> float:
+    if not math.isfinite(loss):
+        raise UserError(
+            f"loss is {loss} at step {step}; lower optimizer.lr (now {job.optimizer.lr:g}), "
+            f"raise optimizer.warmup_steps, or check the data around step {step}"
+        )
+    return loss
 
 
 def _forward_backward(
@@ -218,12 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s [rank {rank}] %(message)s", force=True, stream=sys.stdout
     )
-    previous = restarted_after_user_error(args.run_dir)
+    run_dir = RunDir(args.run_dir)
+    previous = restarted_after_user_error(run_dir)
     if previous is not None:  # it would fail the same way again: use up no time, no restart budget
         print(f"error: [rank {rank}] {previous}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     try:
-        result = train(load_job(args.spec), args.run_dir)
+        result = train(load_job(args.spec), run_dir)
+    except Preempted as exc:  # the step that was running is committed: a retry resumes right there
+        print(f"[rank {rank}] {exc}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     except Exception as exc:
         if is_infra_error(exc):  # the store, a peer or a loader worker failed: a retry can fix it
             print(
@@ -232,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_INFRA
         expected = isinstance(exc, UserError | CheckpointError | DataError)
         first_line = next(iter(str(exc).splitlines()), "")
-        record_user_error(args.run_dir, first_line if expected else f"{type(exc).__name__}: {first_line}")
+        record_user_error(run_dir, first_line if expected else f"{type(exc).__name__}: {first_line}")
         if not expected:
             raise  # a bug: @record keeps the traceback for the launcher's report
         # One line, no traceback: the message names the input and the fix (exit code: trainer.failures).

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from trainer.rundir import RunDir
 from trainer.train import load_job, train
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)  # "resumed from step N"
     job = load_job(Path(sys.argv[1]))
-    train(job, Path(sys.argv[2]))
-    train(job, Path(sys.argv[3]))
+    train(job, RunDir(Path(sys.argv[2])))
+    train(job, RunDir(Path(sys.argv[3])))
     dist.destroy_process_group()
 
 

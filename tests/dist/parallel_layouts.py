@@ -34,6 +34,7 @@ MODEL = dict(
 TIED = {**MODEL, "tie_embeddings": True}
 
 # name -> (model dims, parallel section). Every layout uses all 4 processes.
+SHARDED_INIT = "ddp2_tp2_sharded_init"  # run after LAYOUTS: built on meta, only local shards initialized
 LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp4": (MODEL, dict(dp_shard=4)),
     "hsdp2x2_selective_ac": (MODEL, dict(dp_replicate=2, dp_shard=2, activation_checkpointing="selective")),
@@ -161,7 +162,7 @@ def main(out_path: str) -> None:
         }
     runs = [(name, model, parallel, True) for name, (model, parallel) in LAYOUTS.items()]
     # The large-model path: built on meta, parallelized, then only local shards are initialized.
-    runs.append(("ddp2_tp2_sharded_init", MODEL, dict(dp_replicate=2, tp=2), False))
+    runs.append((SHARDED_INIT, MODEL, dict(dp_replicate=2, tp=2), False))
     for name, model, parallel, init_whole in runs:
         job = job_for(model, parallel)
         start = time.perf_counter()

@@ -24,13 +24,14 @@ import torch.distributed as dist
 from trainer.checkpoint import CheckpointError
 from trainer.config import JobConfig
 from trainer.failures import UserError
+from trainer.rundir import RunDir
 from trainer.train import train
 
 
 def attempt(job: JobConfig, run_dir: Path) -> str | None:
     """The user-error message of a run that must fail, or None if it (wrongly) succeeded."""
     try:
-        train(job, run_dir)
+        train(job, RunDir(run_dir))
     except (UserError, CheckpointError) as exc:
         return str(exc)
     return None
@@ -39,9 +40,9 @@ def attempt(job: JobConfig, run_dir: Path) -> str | None:
 def main() -> None:
     job = JobConfig.model_validate_json(Path(sys.argv[1]).read_text())
     base, result_path = Path(sys.argv[2]), Path(sys.argv[3])
-    train(job, base / "a")
-    train(job, base / "b")
-    train(job, base / "from4")
+    train(job, RunDir(base / "a"))
+    train(job, RunDir(base / "b"))
+    train(job, RunDir(base / "from4"))
 
     errors: dict[str, str | None] = {}
     os.environ["TESSERA_FAULT_NAN_AT_STEP"] = "5"

@@ -5,7 +5,7 @@ See ``manager.py`` for the save protocol and ``manifest.py`` for what makes a ch
 
 from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch, CheckpointStoreError
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.manifest import Manifest, list_checkpoints, read_manifest
+from trainer.checkpoint.manifest import Manifest, check_model, list_checkpoints, read_manifest
 from trainer.checkpoint.state import APP_KEY, ModelOptimizerState, RNGState
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "Manifest",
     "ModelOptimizerState",
     "RNGState",
+    "check_model",
     "list_checkpoints",
     "read_manifest",
 ]

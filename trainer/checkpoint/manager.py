@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,11 +24,13 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from trainer import storage
 from trainer.checkpoint import store
 from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
 from trainer.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
+    check_model,
     checkpoint_files,
     digest_files,
     list_checkpoints,
@@ -38,9 +39,11 @@ from trainer.checkpoint.manifest import (
     step_dirs,
     write_manifest,
 )
+from trainer.checkpoint.pins import pinned_steps
 from trainer.checkpoint.state import ModelOptimizerState, RNGState
 from trainer.config import CheckpointConfig
 from trainer.failures import is_infra_error
+from trainer.fault_injection import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +60,7 @@ class CheckpointManager:
         world_size: int,
         rank: int,
         layout: dict[str, Any],
-        wrap_writer: Callable[[StorageWriter, int], StorageWriter] | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.cfg = cfg
@@ -66,14 +69,15 @@ class CheckpointManager:
         self.world_size = world_size
         self.rank = rank
         self.layout = layout
-        self.wrap_writer = wrap_writer  # (writer, step) -> writer: the fault tests' hook into a save
+        self.faults = faults  # the fault tests' hook into a save; inert unless TESSERA_FAULT_* is set
         # Seconds checkpointing blocked the caller since the previous maybe_save: this call, plus any
         # optimizer step that waited for a background copy (summing it over steps gives the total).
         self.last_stall_s = 0.0
         self._hook_stall_s = 0.0
-        store.open_url(self.url)  # fail now, naming the URL, rather than at the first save
-        if rank == 0:
-            store.ensure_dir(self.url)
+        with store.store_errors("create checkpoint directory", self.url):
+            storage.filesystem(self.url)  # fail now, naming the URL, rather than at the first save
+            if rank == 0:
+                storage.ensure_dir(self.url)
         self._distributed = dist.is_available() and dist.is_initialized()
         # An async save runs collectives from a background thread; its own gloo group keeps them from
         # interleaving with the training step's collectives on the default group.
@@ -99,6 +103,8 @@ class CheckpointManager:
         size check against the manifest (one listing); flipped bytes are left to the validation task,
         since hashing every shard at each resume would cost minutes on a large model.
         """
+        if self.rank == 0:
+            self._remove_partials()
         touched = False  # a failed load may have overwritten part of ``state``
         for manifest in reversed([m for m in list_checkpoints(self.url) if m.good]):
             problem = self._rank0_says(_size_problem(manifest) if self.rank == 0 else "")
@@ -123,11 +129,7 @@ class CheckpointManager:
 
     def load(self, manifest: Manifest, state: dict[str, Stateful]) -> None:
         """Load ``manifest``'s checkpoint into ``state`` in place, resharding to this job's layout."""
-        if manifest.model_fingerprint != self.model_fingerprint:
-            raise CheckpointMismatch(
-                f"checkpoint {manifest.url} holds model {manifest.model_fingerprint} but this job's model is "
-                f"{self.model_fingerprint}; restore the original model config or use a new checkpoint.url"
-            )
+        check_model(manifest, self.model_fingerprint)
         if manifest.world_size != self.world_size:
             skipped = [key for key, value in state.items() if isinstance(value, RNGState)]
             state = {key: value for key, value in state.items() if key not in skipped}
@@ -149,16 +151,30 @@ class CheckpointManager:
         if not force and step % self.interval_steps:
             self.last_stall_s = stalled_in_optimizer
             return
+        self._save(step, state, meta)
+        self.last_stall_s = stalled_in_optimizer + time.perf_counter() - start
+
+    def _save(self, step: int, state: dict[str, Stateful], meta: dict[str, Any]) -> None:
+        """Save ``state`` as step ``step``, unless that step is already committed (a retried attempt)."""
         self._wait()
-        step_url = store.join(self.url, step_dir_name(step))
+        step_url = storage.join(self.url, step_dir_name(step))
         existing = read_manifest(step_url)
         if existing is not None and existing.good:
             log.info("checkpoint %s already committed; not saving it again", step_url)
-            self.last_stall_s = stalled_in_optimizer + time.perf_counter() - start
             return
         self._clear(step_url)
+        manifest = self._new_manifest(step, meta)
+        writer = store.storage_writer(step_url)
+        if self.faults is not None:
+            writer = self.faults.checkpoint_writer(writer, step, self.rank, self.world_size)
+        if self.cfg.mode == "sync":
+            self._save_now(state, writer, manifest, step_url)
+        else:
+            self._start_save(state, writer, manifest, step_url)
+
+    def _new_manifest(self, step: int, meta: dict[str, Any]) -> Manifest:
         meta = dict(meta)
-        manifest = Manifest(
+        return Manifest(
             step=step,
             tokens=int(meta.pop("tokens", 0)),
             model_fingerprint=self.model_fingerprint,
@@ -167,36 +183,41 @@ class CheckpointManager:
             files={},
             meta=meta,
         )
-        writer = store.storage_writer(step_url)
-        if self.wrap_writer is not None:
-            writer = self.wrap_writer(writer, step)
-        if self.cfg.mode == "sync":
-            with store.dcp_errors("saving", step_url):
-                dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
-            if self.rank == 0:
-                self._commit_and_retain(manifest, step_url)
+
+    def _save_now(
+        self, state: dict[str, Stateful], writer: StorageWriter, manifest: Manifest, step_url: str
+    ) -> None:
+        """Sync mode: write, then commit on rank 0, before returning."""
+        with store.dcp_errors("saving", step_url):
+            dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
+        if self.rank == 0:
+            self._commit_and_retain(manifest, step_url)
+
+    def _start_save(
+        self, state: dict[str, Stateful], writer: StorageWriter, manifest: Manifest, step_url: str
+    ) -> None:
+        """Async modes: stage and upload in the background, then commit on rank 0 once the upload is
+        done; the next save (or ``close``) waits for all three."""
+        kind = (
+            AsyncCheckpointerType.PROCESS
+            if self.cfg.mode == "async_process"
+            else AsyncCheckpointerType.THREAD
+        )
+        response = dcp.async_save(
+            state,
+            storage_writer=writer,
+            process_group=self._pg,
+            async_checkpointer_type=kind,
+            async_stager=self._stager,
+            no_dist=not self._distributed,
+        )
+        self._guard_optimizers(state)
+        if isinstance(response, AsyncSaveResponse):
+            self._staging, self._upload = response.staging_completion, response.upload_completion
         else:
-            kind = (
-                AsyncCheckpointerType.PROCESS
-                if self.cfg.mode == "async_process"
-                else AsyncCheckpointerType.THREAD
-            )
-            response = dcp.async_save(
-                state,
-                storage_writer=writer,
-                process_group=self._pg,
-                async_checkpointer_type=kind,
-                async_stager=self._stager,
-                no_dist=not self._distributed,
-            )
-            self._guard_optimizers(state)
-            if isinstance(response, AsyncSaveResponse):
-                self._staging, self._upload = response.staging_completion, response.upload_completion
-            else:
-                self._upload = response
-            if self.rank == 0:
-                self._commit = self._committer.submit(self._commit_after, self._upload, manifest, step_url)
-        self.last_stall_s = stalled_in_optimizer + time.perf_counter() - start
+            self._upload = response
+        if self.rank == 0:
+            self._commit = self._committer.submit(self._commit_after, self._upload, manifest, step_url)
 
     def close(self) -> None:
         """Finish and commit any save in flight."""
@@ -247,7 +268,7 @@ class CheckpointManager:
         log.error("checkpoint %s is corrupt, falling back to an older one: %s", manifest.url, reason)
         if self.rank == 0:
             manifest.status, manifest.reason = "corrupt", reason
-            write_manifest(manifest, manifest.url)
+            write_manifest(manifest.url, manifest)
         if self._distributed:
             dist.barrier()
 
@@ -257,11 +278,10 @@ class CheckpointManager:
         Rank 0 decides; the barrier keeps every rank from writing (DCP creates the directory) before.
         """
         if self.rank == 0:
-            fs, path = store.open_url(step_url)
             with store.store_errors("remove the partial checkpoint", step_url):
-                if fs.exists(path):
+                if storage.exists(step_url):
                     log.info("removing partial checkpoint %s before rewriting it", step_url)
-                    fs.rm(path, recursive=True)
+                    storage.remove(step_url, recursive=True)
         if self._distributed:
             dist.barrier()
 
@@ -271,22 +291,33 @@ class CheckpointManager:
 
     def _commit_and_retain(self, manifest: Manifest, step_url: str) -> None:
         manifest.files = digest_files(step_url)
-        write_manifest(manifest, step_url)
+        write_manifest(step_url, manifest)
         log.info("committed checkpoint %s (%d files)", step_url, len(manifest.files))
         self._retain()
+
+    def _remove_partials(self) -> None:
+        """Delete what killed saves left (step directories without a manifest) before training: the
+        launcher holds the location's lease, so no save is in flight, and on a full disk their space
+        is what the first new checkpoint needs."""
+        for step_url in step_dirs(self.url).values():
+            if read_manifest(step_url) is None:
+                log.info("removing %s: a save that never committed", step_url)
+                delete_checkpoint(step_url)
 
     def _retain(self) -> None:
         dirs = step_dirs(self.url)
         statuses = {
             step: manifest.status if (manifest := read_manifest(url)) else None for step, url in dirs.items()
         }
+        pinned = pinned_steps(self.url)  # queued for validation or evaluation: not now
         for step in steps_to_delete(statuses, self.cfg.keep_last, self.cfg.keep_every):
-            delete_checkpoint(dirs[step])
+            if step not in pinned:
+                delete_checkpoint(dirs[step])
 
 
 def _size_problem(manifest: Manifest) -> str:
     """'' if every file the manifest lists is there with its recorded size; else what is not."""
-    sizes = {name: int(info["size"]) for name, info in checkpoint_files(manifest.url).items()}
+    sizes = {name: entry.size for name, entry in checkpoint_files(manifest.url).items()}
     wrong = [
         f"{name} ({sizes.get(name, 'missing')}, expected {digest.size} bytes)"
         for name, digest in manifest.files.items()
@@ -332,10 +363,9 @@ def steps_to_delete(statuses: dict[int, str | None], keep_last: int, keep_every:
 def delete_checkpoint(step_url: str) -> None:
     """Manifest first: an interrupted delete leaves a partial (ignored), never a committed checkpoint
     with files missing."""
-    fs, path = store.open_url(step_url)
-    manifest_path = store.join(path, MANIFEST_NAME)
+    manifest_url = storage.join(step_url, MANIFEST_NAME)
     with store.store_errors("delete", step_url):
-        if fs.exists(manifest_path):
-            fs.rm(manifest_path)
-        fs.rm(path, recursive=True)
+        if storage.exists(manifest_url):
+            storage.remove(manifest_url)
+        storage.remove(step_url, recursive=True)
     log.info("deleted checkpoint %s", step_url)

@@ -1,6 +1,8 @@
 """The ``tessera.json`` manifest: written last, so its presence with status ``committed`` is the commit.
 
-A step directory without one is a partial write (a save that was killed) and is never resumed.
+A step directory without one is a partial write (a save that was killed) and is never resumed. Like
+the dataset's manifest (:mod:`trainer.data.manifest`), it is written by ``write_manifest(url,
+manifest)`` and read by ``read_manifest(url)``, which returns None when there is none.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from trainer.checkpoint import store
+from pydantic import TypeAdapter, ValidationError
+
+from trainer import storage
+from trainer.checkpoint.errors import CheckpointMismatch
+from trainer.checkpoint.store import store_errors
 
 MANIFEST_NAME = "tessera.json"
 FORMAT_VERSION = 1
@@ -55,47 +61,82 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, url: str) -> Manifest:
-        body = json.loads(data)
-        body["files"] = {name: FileDigest(**digest) for name, digest in body["files"].items()}
-        return cls(**body, url=url)
+        """Parse and type-check a manifest; a damaged one raises ``pydantic.ValidationError``."""
+        manifest = _MANIFEST.validate_json(data)
+        manifest.url = url
+        return manifest
+
+    @classmethod
+    def damaged(cls, step_url: str, error: ValidationError) -> Manifest:
+        """What an unreadable manifest stands for: a corrupt checkpoint (resume skips it, retention
+        removes it), with the parse error as the reason, rather than a crash on every attempt."""
+        first = error.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "document"
+        match = _STEP_DIR.match(step_url.rstrip("/").rsplit("/", 1)[-1])
+        return cls(
+            step=int(match.group(1)) if match else -1,
+            tokens=0,
+            model_fingerprint="",
+            world_size=0,
+            layout={},
+            files={},
+            status="corrupt",
+            reason=f"unreadable {MANIFEST_NAME} ({where}: {first['msg']})",
+            url=step_url.rstrip("/"),
+        )
+
+
+_MANIFEST = TypeAdapter(Manifest)
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def write_manifest(manifest: Manifest, step_url: str) -> None:
-    store.write_atomic(store.join(step_url, MANIFEST_NAME), manifest.to_json())
-    manifest.url = step_url
+def check_model(manifest: Manifest, model_fingerprint: str) -> None:
+    """Refuse a checkpoint saved from another model shape before DCP fails on it deep in a load."""
+    if manifest.model_fingerprint != model_fingerprint:
+        raise CheckpointMismatch(
+            f"checkpoint {manifest.url} holds model {manifest.model_fingerprint} but this job's model is "
+            f"{model_fingerprint}; restore the original model config or use a new checkpoint.url"
+        )
+
+
+def write_manifest(step_url: str, manifest: Manifest) -> str:
+    """Write ``manifest`` into the checkpoint directory ``step_url`` atomically; returns its URL."""
+    url = storage.join(step_url, MANIFEST_NAME)
+    with store_errors("write", url):
+        storage.write_atomic(url, manifest.to_json())
+    manifest.url = step_url.rstrip("/")
+    return url
 
 
 def read_manifest(step_url: str) -> Manifest | None:
-    """The manifest of one checkpoint directory, or None when there is none (a partial write)."""
-    url = store.join(step_url, MANIFEST_NAME)
-    fs, path = store.open_url(url)
-    with store.store_errors("read", url):
+    """The manifest of one checkpoint directory, or None when there is none (a partial write).
+
+    Never raises for the manifest's content: invalid JSON, ``{}`` or a missing key read as a corrupt
+    checkpoint (:meth:`Manifest.damaged`); only the store itself failing raises."""
+    url = storage.join(step_url, MANIFEST_NAME)
+    with store_errors("read", url):
         try:
-            data = fs.cat_file(path)
-        except FileNotFoundError:
+            data = storage.read(url)
+        except storage.StoreNotFound:
             return None
-    return Manifest.from_json(data, step_url.rstrip("/"))
+    try:
+        return Manifest.from_json(data, step_url.rstrip("/"))
+    except ValidationError as error:
+        return Manifest.damaged(step_url, error)
 
 
 def step_dirs(url: str) -> dict[int, str]:
     """Every ``step-N`` directory under ``url`` (committed or not), by step; {} if ``url`` is absent."""
-    fs, root = store.open_url(url)
-    fs.invalidate_cache(root)  # another process may have written since this fs instance last listed
-    with store.store_errors("list checkpoints at", url):
+    with store_errors("list checkpoints at", url):
         try:
-            entries = fs.ls(root, detail=False)
-        except FileNotFoundError:
+            entries = storage.list_dir(url)
+        except storage.StoreNotFound:
             return {}
-    steps = {}
-    for entry in entries:
-        match = _STEP_DIR.match(entry.rstrip("/").rsplit("/", 1)[-1])
-        if match:
-            steps[int(match.group(1))] = store.join(url, match.group(0))
-    return steps
+    matches = ((_STEP_DIR.match(entry.name), entry.url) for entry in entries)
+    return {int(match.group(1)): step_url for match, step_url in matches if match}
 
 
 def list_checkpoints(url: str) -> list[Manifest]:
@@ -104,24 +145,18 @@ def list_checkpoints(url: str) -> list[Manifest]:
     return [m for m in manifests if m is not None]
 
 
-def checkpoint_files(step_url: str) -> dict[str, dict[str, Any]]:
-    """fsspec info of every file in a checkpoint directory except the manifest, by file name, from a
-    fresh listing (another process may have written since this fs instance last listed)."""
-    fs, root = store.open_url(step_url)
-    fs.invalidate_cache(root)
-    with store.store_errors("list", step_url):
-        infos = fs.ls(root, detail=True)
-    named = ((info["name"].rstrip("/").rsplit("/", 1)[-1], info) for info in infos)
-    return {
-        name: info for name, info in named if info["type"] == "file" and not name.startswith(MANIFEST_NAME)
-    }
+def checkpoint_files(step_url: str) -> dict[str, storage.Entry]:
+    """Every file in a checkpoint directory except the manifest (and its temporary copies), by name."""
+    with store_errors("list", step_url):
+        entries = storage.list_dir(step_url)
+    return {e.name: e for e in entries if e.is_file and not e.name.startswith(MANIFEST_NAME)}
 
 
 def digest_files(step_url: str) -> dict[str, FileDigest]:
     """sha256 and size of every file in a checkpoint directory except the manifest."""
-    fs, _ = store.open_url(step_url)
-    with store.store_errors("hash the files of", step_url):
+    files = checkpoint_files(step_url)
+    with store_errors("hash the files of", step_url):
         return {
-            name: FileDigest(sha256=store.sha256_of(fs, info["name"]), size=int(info["size"]))
-            for name, info in sorted(checkpoint_files(step_url).items())
+            name: FileDigest(sha256=storage.sha256(entry.url), size=entry.size)
+            for name, entry in sorted(files.items())
         }

@@ -1,12 +1,12 @@
-"""fsspec access to checkpoint URLs (local path, gs://, s3://) and the DCP storage plugins for them.
+"""DCP's storage plugins for checkpoint URLs (local path, gs://, s3://), on top of :mod:`trainer.storage`.
 
-Object-store credentials and endpoints come from the environment (``STORAGE_EMULATOR_HOST``,
-``AWS_ENDPOINT_URL``, ...), so a URL alone names a checkpoint everywhere.
+Every other checkpoint file operation (manifests, listings, deletes) calls :mod:`trainer.storage`
+directly, inside :func:`store_errors`, so that its failures reach callers as :class:`CheckpointStoreError`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import io
 import os
 from collections.abc import Iterator
@@ -14,95 +14,27 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from fsspec import AbstractFileSystem
-from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from trainer import storage
 from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.checkpoint.safe_load import SafeLoadPlanner, SafeMetadataReader
+from trainer.units import MiB
 
-_HASH_CHUNK = 8 << 20
-_READ_BLOCK = 16 << 20
-
-
-# Per-request retries with backoff, by the store's own client: a checkpoint save is hundreds of
-# requests from many ranks at once, and only the failed request can be retried without redoing the
-# save. botocore's "standard" mode retries 5xx, throttling and dropped connections with jittered
-# exponential backoff under a retry quota (attempts: AWS_MAX_ATTEMPTS, default 3); gcsfs retries 5xx
-# and 429 on its own.
-_STORAGE_OPTIONS: dict[str, dict[str, Any]] = {"s3": {"config_kwargs": {"retries": {"mode": "standard"}}}}
+_READ_BLOCK = 16 * MiB
 
 
-def storage_options(url: str) -> dict[str, Any]:
-    return _STORAGE_OPTIONS.get(split_protocol(url)[0] or "file", {})
+def store_errors(action: str, url: str) -> AbstractContextManager[None]:
+    """A failing storage call as one :class:`CheckpointStoreError` line: ``cannot <action> <url>: ...``.
 
-
-def open_url(url: str) -> tuple[AbstractFileSystem, str]:
-    """The filesystem and in-store path of ``url``; an unusable URL is one clear error naming it."""
-    try:
-        return url_to_fs(url, **storage_options(url))
-    except (ValueError, ImportError) as exc:
-        raise CheckpointStoreError(
-            f"checkpoint URL {url!r} is not usable ({exc}); use a local path, gs://bucket/path or s3://bucket/path"
-        ) from None
-
-
-def join(url: str, *names: str) -> str:
-    return "/".join([url.rstrip("/"), *names])
-
-
-def is_local(url: str) -> bool:
-    return isinstance(open_url(url)[0], LocalFileSystem)
-
-
-@contextmanager
-def store_errors(action: str, url: str) -> Iterator[None]:
-    """A failing store call as one :class:`CheckpointStoreError` line: ``cannot <action> <url>: ...``.
-
-    botocore and gcsfs errors are not all ``OSError``s; the original stays the ``__cause__``, which
-    ``trainer.failures.is_infra_error`` reads to retry a 503 but not a 403.
+    The store's own exception stays the ``__cause__``, which ``trainer.failures.is_infra_error``
+    reads to retry a 503 but not a 403.
     """
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        first_line = next(iter(str(exc).splitlines()), "")
-        raise CheckpointStoreError(f"cannot {action} {url!r}: {type(exc).__name__}: {first_line}") from exc
-
-
-def ensure_dir(url: str) -> None:
-    """Create ``url`` (no-op on object stores, where directories are implicit); fail naming it."""
-    fs, path = open_url(url)
-    with store_errors("create checkpoint directory", url):
-        fs.makedirs(path, exist_ok=True)
-
-
-def write_atomic(url: str, data: bytes) -> None:
-    """Readers see the old object or the new one, never a torn write.
-
-    An object-store PUT is atomic already; a local file is written beside and renamed over.
-    """
-    fs, path = open_url(url)
-    with store_errors("write", url):
-        if isinstance(fs, LocalFileSystem):
-            tmp = f"{path}.tmp"
-            fs.pipe_file(tmp, data)
-            os.replace(tmp, path)
-        else:
-            fs.pipe_file(path, data)
-
-
-def sha256_of(fs: AbstractFileSystem, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open(path, "rb") as stream:
-        while chunk := stream.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return storage.store_errors(action, url, CheckpointStoreError)
 
 
 class _ObjectStoreFileSystem(FileSystem):
@@ -130,9 +62,9 @@ class ObjectStoreWriter(FsspecWriter):
     fallback of fsync on a non-file stream is a machine-wide ``os.sync()``)."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(path, sync_files=False, **storage_options(path))
+        super().__init__(path, sync_files=False, **storage.storage_options(path))
         self.fs = _ObjectStoreFileSystem()
-        self.path = self.fs.init_path(path, **storage_options(path))
+        self.path = self.fs.init_path(path, **storage.storage_options(path))
 
 
 class LocalReader(SafeMetadataReader, FileSystemReader):
@@ -143,17 +75,26 @@ class ObjectStoreReader(SafeMetadataReader, FsspecReader):
     """FsspecReader with block-cached reads and the safe index reader."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(path, **storage_options(path))
+        super().__init__(path, **storage.storage_options(path))
         self.fs = _ObjectStoreFileSystem()
-        self.path = self.fs.init_path(path, **storage_options(path))
+        self.path = self.fs.init_path(path, **storage.storage_options(path))
 
 
 def storage_writer(url: str) -> StorageWriter:
-    return FileSystemWriter(open_url(url)[1]) if is_local(url) else ObjectStoreWriter(url)
+    path = _local_path(url)
+    return FileSystemWriter(path) if path is not None else ObjectStoreWriter(url)
 
 
 def storage_reader(url: str) -> StorageReader:
-    return LocalReader(open_url(url)[1]) if is_local(url) else ObjectStoreReader(url)
+    path = _local_path(url)
+    return LocalReader(path) if path is not None else ObjectStoreReader(url)
+
+
+def _local_path(url: str) -> str | None:
+    """The path of a local ``url``, which DCP's plain file plugins serve; None for an object store."""
+    with store_errors("open", url):
+        fs, path = storage.filesystem(url)
+    return path if isinstance(fs, LocalFileSystem) else None
 
 
 def load(state: dict[str, Any], url: str, no_dist: bool, reader: StorageReader | None = None) -> None:
@@ -167,6 +108,12 @@ def load(state: dict[str, Any], url: str, no_dist: bool, reader: StorageReader |
     reader.read_metadata()  # refuse a planted or garbled index here, before DCP folds it into its error
     with dcp_errors("loading", url):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+
+
+def out_of_space(error: BaseException) -> bool:
+    """ENOSPC, however it surfaces: an OSError, or torch's zip writer failing mid-file ("unexpected
+    pos", what a save into a disk that filled up says)."""
+    return (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "unexpected pos" in str(error)
 
 
 @contextmanager
@@ -187,6 +134,12 @@ def dcp_errors(action: str, url: str) -> Iterator[None]:
             raise ours[0] from None
         rank, cause = next(iter(exc.failures)), failures[0]
         first_line = next(iter(str(cause).splitlines()), "")
+        if out_of_space(cause):
+            raise CheckpointError(
+                f"{action} checkpoint {url} failed on rank {rank}: out of space ({first_line}); a run needs "
+                "room for checkpoint.keep_last + 1 checkpoints (tessera plan shows their size): free space, "
+                "lower keep_last or point checkpoint.url at a larger store"
+            ) from cause
         raise CheckpointStoreError(
             f"{action} checkpoint {url} failed on rank {rank}: {type(cause).__name__}: {first_line}"
         ) from cause

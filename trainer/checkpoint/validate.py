@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -26,10 +27,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from trainer import storage
 from trainer.checkpoint import store
-from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch, CheckpointStoreError
-from trainer.checkpoint.manifest import Manifest, digest_files, read_manifest, write_manifest
+from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
+from trainer.checkpoint.manifest import Manifest, check_model, digest_files, read_manifest, write_manifest
 from trainer.config import JobConfig
+from trainer.launch import torchrun_command
 
 LOAD_TIMEOUT_S = 1800.0
 
@@ -59,21 +62,15 @@ def validate_checkpoint(step_url: str, job: JobConfig, world_size: int = 1) -> V
     step_url = step_url.rstrip("/")
     manifest = read_manifest(step_url)
     if manifest is None:
-        fs, path = store.open_url(step_url)
-        what = "has no tessera.json manifest (a partial write)" if fs.exists(path) else "does not exist"
+        what = "has no tessera.json manifest (a partial write)" if _exists(step_url) else "does not exist"
         raise CheckpointStoreError(f"checkpoint {step_url} {what}; validate a committed checkpoint")
-    if manifest.model_fingerprint != job.model_fingerprint():
-        raise CheckpointMismatch(
-            f"checkpoint {step_url} holds model {manifest.model_fingerprint}, the job's model is "
-            f"{job.model_fingerprint()}; validate it with the job config it was saved from"
-        )
+    check_model(manifest, job.model_fingerprint())
     if world_size == manifest.world_size:
         world_size = 2 if manifest.world_size == 1 else 1
     reason = _integrity_problem(manifest) or _load_problem(step_url, world_size)
     manifest.status, manifest.reason = ("corrupt", reason) if reason else ("validated", "")
-    fs, path = store.open_url(step_url)
-    if fs.exists(path):  # retention may have deleted it meanwhile: don't resurrect a lone manifest
-        write_manifest(manifest, step_url)
+    if _exists(step_url):  # retention may have deleted it meanwhile: don't resurrect a lone manifest
+        write_manifest(step_url, manifest)
     return ValidationResult(
         step_url,
         manifest.step,
@@ -83,6 +80,11 @@ def validate_checkpoint(step_url: str, job: JobConfig, world_size: int = 1) -> V
         world_size,
         time.perf_counter() - start,
     )
+
+
+def _exists(step_url: str) -> bool:
+    with store.store_errors("stat", step_url):
+        return storage.exists(step_url)
 
 
 def _integrity_problem(manifest: Manifest) -> str:
@@ -106,13 +108,14 @@ def _integrity_problem(manifest: Manifest) -> str:
 def _load_problem(step_url: str, world_size: int) -> str:
     """Load every tensor in a fresh process group of ``world_size``; '' if all load and are finite."""
     module = ["-m", "trainer.checkpoint.validate", step_url]
-    launcher = (
-        [sys.executable]
+    # The job file and run directory are arguments of the default entry only: this one needs neither.
+    command = (
+        [sys.executable, *module]
         if world_size == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+        else torchrun_command(Path(), Path(), world_size, entry=module)
     )
     try:
-        proc = subprocess.run([*launcher, *module], capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise CheckpointError(f"validation loader for {step_url} ran over {LOAD_TIMEOUT_S:.0f} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

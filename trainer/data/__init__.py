@@ -1,28 +1,39 @@
 """Data pipeline: corpus → byte-level BPE → packed ``seq_len + 1`` samples → webdataset shards + manifest,
 and the resumable, dp-size-independent loader that reads them back. Plain library: no Prefect here.
 
-    manifest_url = prepare_dataset(cfg.data, vocab_size, seq_len, seed)   # cached on its inputs
-    loader = build_loader(job, dp_rank, dp_size)                         # next(loader) -> (inputs, targets)
+    data_url = prepare.prepare_dataset(cfg.data, vocab_size, seq_len, seed)   # cached on its inputs
+    loader = loader.build_loader(job, dp_rank, dp_size)  # next(loader) -> (inputs, targets)
 
-See ``prepare`` for the separately callable steps and ``loader`` for the global order rule.
+The names below are imported from their modules on first use (PEP 562), not with the package: a
+preparation worker needs neither torch (the loader) nor ``datasets`` (only for reading input files),
+and each costs seconds to import in every worker process.
+
+See ``prepare`` for the separately callable steps (the per-part ones fan out), ``parts`` for one
+part's work, ``mixture`` for weighted sources, ``order`` and ``loader`` for the global order rule and
+``fetch`` for prefetching and the local cache.
 """
 
-from trainer.data.errors import DataError
-from trainer.data.loader import StepLoader, build_loader, load_tokenizer, validation_batches
-from trainer.data.manifest import DatasetManifest, read_manifest
-from trainer.data.prepare import build_shards, dataset_url, find_prepared, prepare_dataset, prepare_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "DataError",
-    "DatasetManifest",
-    "StepLoader",
-    "build_loader",
-    "build_shards",
-    "dataset_url",
-    "find_prepared",
-    "load_tokenizer",
-    "prepare_dataset",
-    "prepare_tokenizer",
-    "read_manifest",
-    "validation_batches",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DataError": "errors",
+    "DatasetManifest": "manifest",
+    "read_manifest": "manifest",
+    "require_manifest": "manifest",
+    "StepLoader": "loader",
+    "build_loader": "loader",
+    "load_tokenizer": "loader",
+    "validation_batches": "loader",
+    "plan_preparation": "prepare",
+    "prepare_dataset": "prepare",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -1,36 +1,30 @@
 """The training data loader: a seeded global sample order, cut into per-rank rows of each step.
 
-Order rule (what makes resume exact for any dp size):
-- Epoch ``e`` visits the train shards in ``permutation(num_shards)`` seeded by ``(seed, e)`` and,
-  within shard ``k``, its samples in ``permutation(samples_k)`` seeded by ``(seed, e, k)``. Epochs
-  follow each other, so global sample index ``g`` is position ``g % N`` of epoch ``g // N``.
-- The global batch of a step is the next ``global_batch_size`` samples of that sequence; dp rank
-  ``r`` of ``D`` takes rows ``[r * G/D, (r+1) * G/D)`` of it.
-- The loader's state is ``samples_consumed`` (global samples handed out; ``epoch`` is derived and
-  stored for humans). Because the order does not depend on ``D``, a state saved by a run on 4 ranks
-  resumes on 2 ranks (or with other worker counts) with exactly the batches the first run would
-  have seen next.
+- The order is that of one prepared dataset (:mod:`trainer.data.order`), of a weighted mixture of
+  several (:mod:`trainer.data.mixture`), or of synthetic tokens when there is no dataset.
+- The global batch of a step is the next ``global_batch_size`` samples of that order; dp rank ``r``
+  of ``D`` takes rows ``[r * G/D, (r+1) * G/D)`` of it.
+- The loader's state is ``samples_consumed`` (global samples handed out) plus what the order needs
+  to continue from there (a mixture's per-source counters; ``epoch`` for humans). Because the order
+  does not depend on ``D``, a state saved by a run on 4 ranks resumes on 2 ranks (or with other
+  worker counts) with exactly the batches the first run would have seen next.
 
 Each rank reads only the shards its rows fall in; with shards much larger than a global batch that
-is every shard, once per epoch (shards are a few MB, far less than the compute they feed). A shard
-is verified against the manifest's sha256 when fetched, decoded once, kept in a small cache, and the
-next shard of the order is prefetched in a background thread.
+is every shard, once per epoch (shards are a few MB, far less than the compute they feed). Shards
+are fetched ahead and optionally cached on local disk (:mod:`trainer.data.fetch`).
 
 Worker processes (``loader_workers``) each produce every W-th step; torch's DataLoader returns them
 in step order. Each worker fetches the shards its steps touch (so W workers read each shard W times):
-workers buy overlap of fetch/decode with training, not less I/O. State lives in the consuming process (a count of batches taken), so prefetched but
-unconsumed batches are never lost or skipped on resume: a plain DataLoader suffices.
+workers buy overlap of fetch/decode with training, not less I/O. State lives in the consuming process
+(a count of batches taken), so prefetched but unconsumed batches are never lost or skipped on resume:
+a plain DataLoader suffices.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -39,79 +33,14 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
-from trainer.data.manifest import DatasetManifest, ShardInfo, read_manifest
-from trainer.data.shards import fetch_shard
+from trainer.data.fetch import fetch_shard
+from trainer.data.manifest import DatasetManifest, require_manifest, resolve
+from trainer.data.mixture import MixtureManifest, MixtureSamples, WeightSchedule, is_mixture, read_mixture
+from trainer.data.order import SampleSource, ShardedSamples
 from trainer.data.synthetic import SyntheticSamples
 from trainer.data.tokenizer import parse_tokenizer, read_tokenizer_bytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-SHARD_CACHE = 3
-
-
-class SampleSource(Protocol):
-    samples_per_epoch: int | None
-
-    def rows(self, start: int, count: int) -> np.ndarray:
-        """Samples ``start .. start+count-1`` of the global order: int array [count, seq_len + 1]."""
-
-
-class ShardedSamples:
-    """The train split of a prepared dataset in the seeded global order (see module docstring)."""
-
-    def __init__(self, manifest: DatasetManifest, seed: int) -> None:
-        self.manifest, self.seed = manifest, seed
-        self.shards = manifest.split_shards("train")
-        self.samples_per_epoch = sum(s.samples for s in self.shards)
-        self._epoch: int | None = None
-        self._shard_order: np.ndarray = np.empty(0, dtype=np.int64)
-        self._offsets: list[int] = []
-        self._within_key: tuple[int, int] | None = None
-        self._within_order: np.ndarray = np.empty(0, dtype=np.int64)
-        self._cache: OrderedDict[int, Future[np.ndarray]] = OrderedDict()
-        self._pool: ThreadPoolExecutor | None = None  # created on first use: after any worker fork
-
-    def rows(self, start: int, count: int) -> np.ndarray:
-        out = np.empty((count, self.manifest.sample_len), dtype=np.int64)
-        for row, index in enumerate(range(start, start + count)):
-            epoch, position = divmod(index, self.samples_per_epoch)
-            self._set_epoch(epoch)
-            slot = bisect.bisect_right(self._offsets, position) - 1
-            shard = int(self._shard_order[slot])
-            samples = self._shard(shard, prefetch=int(self._shard_order[(slot + 1) % len(self.shards)]))
-            out[row] = samples[self._within(epoch, shard)[position - self._offsets[slot]]]
-        return out
-
-    def _within(self, epoch: int, shard: int) -> np.ndarray:
-        """The sample order inside ``shard`` for ``epoch`` (memoised for the current shard)."""
-        if self._within_key != (epoch, shard):
-            self._within_key = (epoch, shard)
-            self._within_order = np.random.default_rng([self.seed, epoch, shard]).permutation(
-                self.shards[shard].samples
-            )
-        return self._within_order
-
-    def _set_epoch(self, epoch: int) -> None:
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._shard_order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
-            sizes = [self.shards[k].samples for k in self._shard_order]
-            self._offsets = [0, *itertools.accumulate(sizes)][:-1]
-
-    def _shard(self, index: int, prefetch: int) -> np.ndarray:
-        for wanted in (index, prefetch):
-            if wanted in self._cache:
-                self._cache.move_to_end(wanted)
-            else:
-                self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
-                self._cache[wanted] = self._pool.submit(self._fetch, self.shards[wanted])
-        while len(self._cache) > SHARD_CACHE:
-            self._cache.popitem(last=False)
-        return self._cache[index].result()
-
-    def _fetch(self, shard: ShardInfo) -> np.ndarray:
-        return fetch_shard(
-            self.manifest.url_of(shard.name), shard, self.manifest.dtype, self.manifest.sample_len
-        )
 
 
 class _StepStream(IterableDataset):
@@ -176,17 +105,19 @@ class StepLoader:
         self.samples_consumed += self.global_batch_size
         return batch
 
-    def state_dict(self) -> dict[str, int]:
-        per_epoch = self.source.samples_per_epoch
-        return {
-            "samples_consumed": self.samples_consumed,
-            "epoch": self.samples_consumed // per_epoch if per_epoch else 0,
-        }
+    def state_dict(self) -> dict[str, object]:
+        return {"samples_consumed": self.samples_consumed, **self.source.state_at(self.samples_consumed)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Continue right after the last sample the saved loader handed out (any dp size, any workers)."""
         self.close()
-        self.samples_consumed = int(state["samples_consumed"])
+        self.samples_consumed = int(state["samples_consumed"])  # type: ignore[call-overload]
+        self.source.resume(self.samples_consumed, state)
+
+    def source_samples(self) -> dict[str, int]:
+        """Samples handed out per mixture source so far (empty for a single dataset)."""
+        state = self.source.state_at(self.samples_consumed)
+        return dict(state.get("source_samples", {}))  # type: ignore[call-overload]
 
     def close(self) -> None:
         """Stop the worker processes (they restart from the current position on the next ``next``)."""
@@ -194,45 +125,75 @@ class StepLoader:
 
 
 def build_loader(job: JobConfig, dp_rank: int, dp_size: int) -> StepLoader:
-    """The loader for this dp rank: the prepared dataset at ``job.data_url``, or synthetic tokens."""
-    sample_len = job.train.seq_len + 1
+    """The loader for this dp rank: the prepared dataset or mixture at ``job.data_url``, or synthetic tokens."""
     if job.data_url is None:
-        source: SampleSource = SyntheticSamples(job.seed, job.model.vocab_size, sample_len)
+        source: SampleSource = SyntheticSamples(job.seed, job.model.vocab_size, job.train.seq_len + 1)
+    elif is_mixture(job.data_url):
+        mixture = read_mixture(job.data_url)
+        datasets = {
+            entry.name: _checked(_source_manifest(job.data_url, entry.manifest), job)
+            for entry in mixture.sources
+        }
+        source = MixtureSamples(
+            {name: ShardedSamples(manifest, job.seed) for name, manifest in datasets.items()},
+            WeightSchedule([entry.weight for entry in mixture.sources], mixture.schedule),
+            job.seed,
+            job.train.global_batch_size,
+        )
     else:
-        manifest = read_manifest(job.data_url)
-        if manifest.seq_len != job.train.seq_len:
-            raise DataError(
-                f"dataset {job.data_url} was packed for seq_len={manifest.seq_len} but "
-                f"train.seq_len={job.train.seq_len}; prepare it again with this seq_len"
-            )
-        if manifest.tokenizer_vocab_size > job.model.vocab_size:
-            raise DataError(
-                f"dataset {job.data_url} has token ids up to {manifest.tokenizer_vocab_size - 1} "
-                f"but model.vocab_size={job.model.vocab_size}; raise model.vocab_size"
-            )
-        source = ShardedSamples(manifest, job.seed)
+        source = ShardedSamples(_checked(require_manifest(job.data_url), job), job.seed)
     return StepLoader(source, job.train.global_batch_size, dp_rank, dp_size, job.loader_workers)
 
 
-def validation_batches(manifest_url: str, batch_size: int, max_batches: int) -> Iterator[Batch]:
-    """Up to ``max_batches`` batches of the val split, in stored order (the same batches every call)."""
-    manifest = read_manifest(manifest_url)
+def _checked(manifest: DatasetManifest, job: JobConfig) -> DatasetManifest:
+    if manifest.seq_len != job.train.seq_len:
+        raise DataError(
+            f"dataset {job.data_url} was packed for seq_len={manifest.seq_len} but "
+            f"train.seq_len={job.train.seq_len}; prepare it again with this seq_len"
+        )
+    if manifest.tokenizer_vocab_size > job.model.vocab_size:
+        raise DataError(
+            f"dataset {job.data_url} has token ids up to {manifest.tokenizer_vocab_size - 1} "
+            f"but model.vocab_size={job.model.vocab_size}; raise model.vocab_size"
+        )
+    return manifest
+
+
+def data_manifests(data_url: str) -> list[DatasetManifest]:
+    """The dataset behind ``data_url``: one manifest, or a mixture's, one per source in source order."""
+    if not is_mixture(data_url):
+        return [require_manifest(data_url)]
+    mixture: MixtureManifest = read_mixture(data_url)
+    return [_source_manifest(data_url, entry.manifest) for entry in mixture.sources]
+
+
+def _source_manifest(mixture_url: str, relative: str) -> DatasetManifest:
+    return require_manifest(resolve(mixture_url.rstrip("/").rsplit("/", 1)[0], relative))
+
+
+def validation_batches(data_url: str, batch_size: int, max_batches: int) -> Iterator[Batch]:
+    """Up to ``max_batches`` batches of the val split, in stored order (the same batches every call);
+    for a mixture, the sources' batches in turn."""
+    per_source = [_validation_batches(m, batch_size) for m in data_manifests(data_url)]
+    interleaved = (b for group in itertools.zip_longest(*per_source) for b in group if b is not None)
+    return itertools.islice(interleaved, max_batches)
+
+
+def _validation_batches(manifest: DatasetManifest, batch_size: int) -> Iterator[Batch]:
     pending: list[np.ndarray] = []
-    produced = 0
     for shard in manifest.split_shards("val"):
         pending.extend(fetch_shard(manifest.url_of(shard.name), shard, manifest.dtype, manifest.sample_len))
-        while len(pending) >= batch_size and produced < max_batches:
+        while len(pending) >= batch_size:
             yield to_batch(np.stack(pending[:batch_size]))
-            pending, produced = pending[batch_size:], produced + 1
-        if produced >= max_batches:
-            return
-    if pending and produced < max_batches:
+            pending = pending[batch_size:]
+    if pending:
         yield to_batch(np.stack(pending))
 
 
-def load_tokenizer(manifest_url: str) -> Tokenizer:
-    """The tokenizer the dataset was encoded with (checked against the manifest's sha256)."""
-    manifest = read_manifest(manifest_url)
+def load_tokenizer(data_url: str) -> Tokenizer:
+    """The tokenizer the dataset was encoded with (checked against the manifest's sha256); a mixture's
+    sources all share one."""
+    manifest = data_manifests(data_url)[0]
     url = manifest.url_of(manifest.tokenizer)
     data = read_tokenizer_bytes(url)
     if hashlib.sha256(data).hexdigest() != manifest.tokenizer_sha256:

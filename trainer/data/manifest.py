@@ -1,7 +1,10 @@
 """``manifest.json``: the file contract between data prep and training.
 
 It is written last, after every shard and the tokenizer, so its presence means the dataset under
-its directory is complete; the trainer and the evaluator only ever receive its URL.
+its directory is complete; the trainer and the evaluator only ever receive its URL. Like the
+checkpoint manifest (:mod:`trainer.checkpoint.manifest`), it is written by ``write_manifest(url,
+manifest)`` and read by ``read_manifest(url)``, which returns None when there is none;
+:func:`require_manifest` is the read for callers that cannot go on without one.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from trainer.data.errors import DataError
-from trainer.data.fs import join, read_bytes, write_bytes
+from trainer.storage import StoreNotFound, join, read, write_atomic
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: shards live in per-part directories shared between dataset versions
 Split = Literal["train", "val"]
 TokenDtype = Literal["uint16", "int32"]
 
@@ -41,6 +44,17 @@ class SplitTotals(BaseModel):
     bytes: int
 
 
+class FilterReport(BaseModel):
+    """The optional document filters a dataset was prepared with, and how many documents each dropped."""
+
+    dedup: bool = Field(description="Exact duplicate documents dropped (the first occurrence kept).")
+    min_chars: int
+    max_chars: int | None
+    duplicates: int = 0
+    too_short: int = 0
+    too_long: int = 0
+
+
 class DatasetManifest(BaseModel):
     format_version: int = FORMAT_VERSION
     fingerprint: str = Field(description="Hash of every input; the dataset's directory name.")
@@ -57,6 +71,10 @@ class DatasetManifest(BaseModel):
     validation_fraction: float
     totals: dict[Split, SplitTotals]
     shards: list[ShardInfo]
+    parts: list[str] = Field(
+        default_factory=list, description="Fingerprints of the prepared parts, in corpus order."
+    )
+    filters: FilterReport | None = None
 
     _base_url: str = PrivateAttr("")
 
@@ -64,29 +82,50 @@ class DatasetManifest(BaseModel):
         return [shard for shard in self.shards if shard.split == split]
 
     def url_of(self, name: str) -> str:
-        """Absolute URL of a file next to the manifest (shards, tokenizer)."""
-        return join(self._base_url, name)
+        """Absolute URL of a file named relative to the manifest's directory (shards, tokenizer)."""
+        return resolve(self._base_url, name)
+
+
+def resolve(base_url: str, name: str) -> str:
+    """``name`` relative to the directory ``base_url``; leading ``../`` climb out of it (shards live in
+    ``<output_url>/parts/``, next to the dataset directories that list them)."""
+    while name.startswith("../"):
+        base_url, name = base_url.rstrip("/").rsplit("/", 1)[0], name[3:]
+    return join(base_url, name)
 
 
 def write_manifest(dataset_url: str, manifest: DatasetManifest) -> str:
+    """Write ``manifest`` into the dataset directory ``dataset_url`` atomically; returns its URL."""
     url = join(dataset_url, MANIFEST)
-    write_bytes(url, manifest.model_dump_json(indent=2).encode())
+    write_atomic(url, manifest.model_dump_json(indent=2).encode())
     return url
 
 
-def read_manifest(url: str) -> DatasetManifest:
-    """The manifest at ``url`` (the manifest file itself, or the dataset directory holding it)."""
-    if not url.rstrip("/").endswith(MANIFEST):
-        url = join(url, MANIFEST)
+def read_manifest(url: str) -> DatasetManifest | None:
+    """The manifest at ``url`` (the manifest file itself, or the dataset directory holding it), or
+    None when there is none (not prepared, or preparation has not finished)."""
+    url = _manifest_url(url)
     try:
-        data = read_bytes(url)
-    except FileNotFoundError as error:
-        raise DataError(
-            f"no dataset manifest at {url!r}; run data preparation first (or fix data_url)"
-        ) from error
+        data = read(url)
+    except StoreNotFound:
+        return None
     try:
         manifest = DatasetManifest.model_validate(json.loads(data))
     except ValueError as error:
         raise DataError(f"{url!r} is not a tessera dataset manifest ({error})") from error
     manifest._base_url = url.rstrip("/").rsplit("/", 1)[0] if "/" in url.rstrip("/") else "."
     return manifest
+
+
+def require_manifest(url: str) -> DatasetManifest:
+    """:func:`read_manifest`, for callers that need the dataset: a missing manifest is a DataError."""
+    manifest = read_manifest(url)
+    if manifest is None:
+        raise DataError(
+            f"no dataset manifest at {_manifest_url(url)!r}; run data preparation first (or fix data_url)"
+        )
+    return manifest
+
+
+def _manifest_url(url: str) -> str:
+    return url if url.rstrip("/").endswith(MANIFEST) else join(url, MANIFEST)

@@ -10,7 +10,8 @@ Puts run on a few background threads so store latency overlaps packing the next 
 
 Shards are written with ``tarfile`` in GNU format rather than webdataset's ``TarWriter``, which
 always builds PAX headers: per-member header encoding was half the cost of sharding at seq_len 256.
-They are plain webdataset shards, read back with webdataset's tar iterators.
+They are plain webdataset shards, read back with webdataset's tar iterators
+(:func:`trainer.data.fetch.decode_shard`; webdataset imports torch, which writing does not need).
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ import tarfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
-from tqdm import tqdm
-from webdataset.tariterators import group_by_keys, tar_file_expander
 
-from trainer.data.errors import DataError
-from trainer.data.fs import join, read_bytes, write_bytes
 from trainer.data.manifest import ShardInfo, Split, TokenDtype
+from trainer.storage import join, write_atomic
 
 TOKENS_EXT = "tokens"
 UPLOAD_THREADS = 4
@@ -53,33 +51,6 @@ def encode_shard(samples: np.ndarray, dtype: TokenDtype, first_key: int) -> byte
     return buffer.getvalue()
 
 
-def decode_shard(data: bytes, dtype: TokenDtype, sample_len: int, name: str) -> np.ndarray:
-    """All samples of a shard as an array [samples, sample_len], in stored order."""
-    try:
-        members = group_by_keys(tar_file_expander([{"url": name, "stream": io.BytesIO(data)}]))
-        rows = [np.frombuffer(sample[TOKENS_EXT], dtype=dtype) for sample in members]
-    except Exception as error:
-        raise DataError(f"shard {name} is not a readable tar of token samples ({error})") from error
-    if not rows or any(len(row) != sample_len for row in rows):
-        raise DataError(f"shard {name} holds samples of the wrong length (want {sample_len} tokens)")
-    return np.stack(rows)
-
-
-def fetch_shard(url: str, shard: ShardInfo, dtype: TokenDtype, sample_len: int) -> np.ndarray:
-    """Download one shard, check its sha256 against the manifest, and decode it."""
-    try:
-        data = read_bytes(url)
-    except FileNotFoundError as error:
-        raise DataError(f"shard {url} listed in the manifest is missing; re-run data preparation") from error
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != shard.sha256:
-        raise DataError(
-            f"shard {url} is corrupt: sha256 {digest[:12]}… but the manifest says "
-            f"{shard.sha256[:12]}…; re-run data preparation"
-        )
-    return decode_shard(data, dtype, sample_len, url)
-
-
 class ShardSink:
     """Collects packed samples of one split and writes a shard every ``samples_per_shard`` samples."""
 
@@ -89,7 +60,6 @@ class ShardSink:
         split: Split,
         samples_per_shard: int,
         dtype: TokenDtype,
-        progress: bool = False,
     ) -> None:
         self.dataset_url, self.split, self.dtype = dataset_url, split, dtype
         self.samples_per_shard = samples_per_shard
@@ -99,7 +69,6 @@ class ShardSink:
         self._written_rows = 0
         self._uploads: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix=f"{split}-shard-upload")
-        self._bar = tqdm(desc=f"{split} shards", unit="shard", disable=not progress)
 
     def add(self, samples: np.ndarray) -> None:
         self._pending.append(samples)
@@ -118,13 +87,12 @@ class ShardSink:
         with self._pool:
             for upload in self._uploads:
                 upload.result()  # re-raises the first failed put
-        self._bar.close()
         return self.shards
 
     def _flush(self, rows: np.ndarray) -> None:
         name = shard_name(self.split, len(self.shards))
         data = encode_shard(rows, self.dtype, self._written_rows)
-        self._uploads.append(self._pool.submit(write_bytes, join(self.dataset_url, name), data))
+        self._uploads.append(self._pool.submit(write_atomic, join(self.dataset_url, name), data))
         if len(self._uploads) > 2 * UPLOAD_THREADS:
             self._uploads[-2 * UPLOAD_THREADS - 1].result()  # bound the shards held in memory
         self.shards.append(
@@ -138,4 +106,3 @@ class ShardSink:
             )
         )
         self._written_rows += len(rows)
-        self._bar.update()  # counts shards encoded; close() waits for their puts

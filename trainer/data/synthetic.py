@@ -8,6 +8,8 @@ loss visibly falls within a few steps (the next token follows from the previous 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 MAX_STRIDE = 16
@@ -20,6 +22,12 @@ class SyntheticSamples:
 
     def __init__(self, seed: int, vocab_size: int, sample_len: int) -> None:
         self.seed, self.vocab_size, self.sample_len = seed, vocab_size, sample_len
+
+    def state_at(self, sample: int) -> dict[str, object]:
+        return {"epoch": 0}
+
+    def resume(self, sample: int, state: Mapping[str, object]) -> None:
+        """Nothing to restore: sample ``i`` depends on ``(seed, i)`` alone."""
 
     def rows(self, start: int, count: int) -> np.ndarray:
         positions = np.arange(self.sample_len, dtype=np.int64)

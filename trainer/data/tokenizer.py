@@ -6,14 +6,12 @@ code and arbitrary text needs. ``<|endoftext|>`` is the only special token; it s
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
-from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from trainer.data.errors import DataError
-from trainer.data.fs import read_bytes
+from trainer.storage import StoreNotFound, read
 
 EOS = "<|endoftext|>"
 # 256 byte symbols + the EOS token: a smaller vocabulary cannot represent every input.
@@ -39,17 +37,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def tokenizer_recipe(tokenizer_url: str | None, vocab_size: int) -> dict[str, Any]:
-    """What determines the tokenizer, for the dataset fingerprint: a given file's hash or the training recipe."""
-    if tokenizer_url is None:
-        return {"train": "byte-level-bpe", "vocab_size": vocab_size, "eos": EOS}
-    return {"file_sha256": hashlib.sha256(read_tokenizer_bytes(tokenizer_url)).hexdigest()}
-
-
 def read_tokenizer_bytes(url: str) -> bytes:
     try:
-        return read_bytes(url)
-    except FileNotFoundError as error:
+        return read(url)
+    except StoreNotFound as error:
         raise DataError(
             f"tokenizer {url!r} does not exist; set data.tokenizer to a tokenizer.json or "
             "leave it empty to train one"

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainer.config import ParallelConfig
+from trainer.failures import UserError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -19,10 +20,10 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 def build_mesh(cfg: ParallelConfig, device_type: str) -> DeviceMesh:
     """The (pp, dp_replicate, dp_shard, tp) mesh over the current process group."""
     world = dist.get_world_size()
-    if cfg.world_size != world:
-        raise ValueError(
-            f"parallel: dp_replicate×dp_shard×tp×pp = {cfg.world_size} but torchrun started {world} processes; "
-            "make the degrees multiply to the world size"
+    if cfg.world_size != world:  # the spec checked its own degrees; a hand-typed torchrun may disagree
+        raise UserError(
+            f"torchrun started {world} processes but the spec's parallel degrees (dp_replicate×dp_shard×tp×pp) "
+            f"give world size {cfg.world_size}; launch with --nproc-per-node {cfg.world_size} or change the spec"
         )
     return init_device_mesh(
         device_type, (cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.tp), mesh_dim_names=MESH_DIMS

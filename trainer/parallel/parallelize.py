@@ -25,4 +25,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Tr
     apply_ac(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
-    return apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision, reshard_after_forward=cfg.pp == 1)
+    reshard = (
+        cfg.reshard_after_forward and cfg.pp == 1
+    )  # a pipeline stage stays gathered across micro-batches
+    return apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision, reshard_after_forward=reshard)

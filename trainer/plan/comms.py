@@ -1,21 +1,24 @@
-"""Communication per step: mesh placement on the interconnect and an alpha–beta cost per collective.
+"""Communication: mesh placement on the interconnect, and an α–β cost for every collective per layer.
 
 Placement: the trainer builds its ``DeviceMesh`` as (pp, dp_replicate, dp_shard, tp), outer to inner
 (torchtitan's order), and ranks are laid out node by node, so the innermost dimensions land in the
 fast domain — NVLink/NVSwitch inside a GPU node, ICI inside a TPU slice, NeuronLink inside a Trainium
 instance — and outer ones cross it (IB/EFA, DCN). The order is chosen by chattiness: TP talks every
-layer on the critical path, FSDP every layer but overlapped, DP once per step, PP only point-to-point.
+layer on the critical path, FSDP every layer but overlapped, DP once per layer per sync, PP only
+point-to-point. On a torus (TPU ICI, NeuronLink) a mesh dimension maps onto one torus axis, so its
+ring gets 1/axes of the chip's link bandwidth — conservative for dimensions that span several axes.
 
 Costs (nccl-tests performance notes; B = one-direction bandwidth per chip, S = full buffer bytes,
-n ranks, α per ring step): all-gather / reduce-scatter send S·(n−1)/n in S/B·(n−1)/n + (n−1)α;
-all-reduce twice that. A dimension whose ring leaves the fast domain runs at the cross-domain
-bandwidth (the slowest link of a ring sets its speed). On a torus (TPU ICI, NeuronLink) a mesh
-dimension maps onto one torus axis, so its ring gets 1/axes of the chip's link bandwidth — a
-conservative figure for dimensions that span several axes.
+n ranks): all-gather and reduce-scatter move S·(n−1)/n per chip, all-reduce twice that (a ring); the
+latency term is α per step, (n−1) steps for a ring, or 2⌈log₂ n⌉ for NCCL's tree all-reduce, which it
+picks for small messages at scale — we charge the smaller. A dimension whose ring leaves the fast
+domain runs at the cross-domain bandwidth (the slowest link of a ring sets its speed).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -23,11 +26,19 @@ from pydantic import BaseModel, ConfigDict
 from trainer.backends.chips import Chip
 from trainer.config import HardwareConfig
 from trainer.plan.layout import Geometry
+from trainer.plan.profile import HardwareProfile, Link
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outer → inner
 FP32 = 4
 # Torus dimensions of the scale-up fabric (cloud.google.com/tpu/docs; AWS Neuron trainium2 arch: 4×4).
-TORUS_AXES = {"tpu-v5e": 2, "tpu-v6e": 2, "tpu-v5p": 3, "trainium1": 2, "trainium2": 2}
+TORUS_AXES = {"tpu-v4": 3, "tpu-v5e": 2, "tpu-v6e": 2, "tpu-v5p": 3, "trainium1": 2, "trainium2": 2}
+# TP collectives per block per micro-batch with sequence parallelism: forward all-gathers before
+# attention and MLP and reduce-scatters after each (4); backward mirrors them (4); recomputation
+# repeats the forward's 4 — under selective too, because its policy saves only matmul/SDPA outputs,
+# so the collectives feeding the recomputed norms run again.
+TP_FORWARD, TP_BACKWARD = 4, 4
+
+Collective = Literal["all_gather", "reduce_scatter", "all_reduce"]
 
 
 class DimPlacement(BaseModel):
@@ -40,8 +51,11 @@ class DimPlacement(BaseModel):
     domain: Literal["intra", "inter", "local"]  # local: degree 1, no communication
     link: str
     bandwidth: float  # bytes/s, one direction per chip
+    latency_s: float = 0.0
+    reduce_scatter_factor: float = 1.0  # see profile.Link
+    all_reduce_factor: float = 1.0
     bytes_per_step: float = 0.0
-    time_s: float = 0.0
+    time_s: float = 0.0  # every collective of the dimension, before any overlap
 
 
 def fast_domain_chips(chip: Chip, hardware: HardwareConfig) -> int:
@@ -50,74 +64,137 @@ def fast_domain_chips(chip: Chip, hardware: HardwareConfig) -> int:
     return chip.domain_chips if multi_host else min(chip.domain_chips, hardware.chips_per_node)
 
 
-def place(geo: Geometry, chip: Chip, hardware: HardwareConfig) -> list[DimPlacement]:
+def place(geo: Geometry, hw: HardwareProfile, hardware: HardwareConfig) -> list[DimPlacement]:
     """Each mesh dimension's domain and link, innermost (tp) first."""
-    fast, stride, placed = fast_domain_chips(chip, hardware), 1, []
-    fast_link, _, slow_link = chip.interconnect.partition(" + ")  # the catalog writes "scale-up + scale-out"
+    fast, stride, placed = fast_domain_chips(hw.chip, hardware), 1, []
+    fast_link, _, slow_link = hw.chip.interconnect.partition(" + ")  # "scale-up + scale-out"
     slow_link = slow_link or fast_link
     for dim in reversed(MESH_ORDER):
         degree = getattr(geo.parallel, dim)
         stride *= degree
         if degree == 1:
-            where = DimPlacement(dim=dim, degree=1, domain="local", link="-", bandwidth=0.0)
-        elif stride <= fast:
-            axis_bandwidth = chip.intra_bandwidth / TORUS_AXES.get(chip.name, 1)
-            where = DimPlacement(
-                dim=dim, degree=degree, domain="intra", link=fast_link, bandwidth=axis_bandwidth
+            placed.append(DimPlacement(dim=dim, degree=1, domain="local", link="-", bandwidth=0.0))
+            continue
+        domain: Literal["intra", "inter"] = "intra" if stride <= fast else "inter"
+        link = hw.link(domain, degree)
+        axes = TORUS_AXES.get(hw.chip.name, 1) if domain == "intra" else 1
+        placed.append(
+            DimPlacement(
+                dim=dim,
+                degree=degree,
+                domain=domain,
+                link=fast_link if domain == "intra" else slow_link,
+                bandwidth=link.bandwidth / axes,
+                latency_s=link.latency_s,
+                reduce_scatter_factor=link.reduce_scatter_factor,
+                all_reduce_factor=link.all_reduce_factor,
             )
-        else:
-            where = DimPlacement(
-                dim=dim, degree=degree, domain="inter", link=slow_link, bandwidth=chip.inter_bandwidth
-            )
-        placed.append(where)
+        )
     return placed
 
 
-def _ring(size: float, n: int, count: float, bandwidth: float, latency: float) -> tuple[float, float]:
-    """(bytes sent per chip, seconds) of `count` all-gathers or reduce-scatters of `size` bytes over n ranks."""
-    sent = count * size * (n - 1) / n
-    return sent, sent / bandwidth + count * (n - 1) * latency
+def collective_seconds(kind: Collective, size: float, n: int, link: Link) -> float:
+    """α–β time of one collective over n ranks of an S-byte buffer (see the module docstring)."""
+    if n == 1:
+        return 0.0
+    moved = sent_bytes(kind, size, n)
+    factor = {
+        "all_gather": 1.0,
+        "reduce_scatter": link.reduce_scatter_factor,
+        "all_reduce": link.all_reduce_factor,
+    }
+    steps = n - 1
+    if kind == "all_reduce":
+        steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+    return factor[kind] * moved / link.bandwidth + steps * link.latency_s
 
 
-def tp_collectives_per_layer(geo: Geometry) -> int:
-    """All-gathers + reduce-scatters one block issues per micro-batch with sequence parallelism.
-
-    Forward: gather before attention and MLP, reduce-scatter after each (4); backward mirrors it
-    (4). Recomputation repeats the forward's 4: under full, and under selective too, because its
-    policy saves only matmul/SDPA outputs, so the collectives feeding the recomputed norms run again.
-    """
-    return 8 if geo.parallel.activation_checkpointing == "none" else 12
+def sent_bytes(kind: Collective, size: float, n: int) -> float:
+    return size * (n - 1) / n * (2 if kind == "all_reduce" else 1)
 
 
-def dim_traffic(
-    geo: Geometry, dim: str, degree: int, bandwidth: float, latency: float
-) -> tuple[float, float]:
-    """(bytes sent per chip per step, seconds) for one mesh dimension."""
-    if degree == 1:
-        return 0.0, 0.0
-    par, e, m = geo.parallel, geo.compute_bytes, geo.microbatches
-    activation = geo.microbatch_tokens * geo.model.dim * e  # one micro-batch's hidden states, gathered
-    stage_tp_params = geo.stage_params / par.tp
-    if dim == "tp":
-        count = tp_collectives_per_layer(geo) * geo.layers_per_stage * m
-        return _ring(activation, degree, count, bandwidth, latency)
-    if dim == "dp_shard":  # gather in fwd (and again in bwd after a reshard), reduce-scatter fp32 grads
-        gathers = 2 if geo.reshard_after_forward else 1
-        gathered = _ring(stage_tp_params * e, degree, gathers * m, bandwidth, latency)
-        reduced = _ring(stage_tp_params * FP32, degree, m, bandwidth, latency)
-        return gathered[0] + reduced[0], gathered[1] + reduced[1]
-    if dim == "dp_replicate":  # HSDP: all-reduce (= reduce-scatter + all-gather) of the fp32 grad shards
-        return _ring(stage_tp_params / par.dp_shard * FP32, degree, 2, bandwidth, latency)
-    # pp: a middle stage sends one activation forward and one gradient back per micro-batch and chunk
-    sends = 2 * m * par.pp_virtual_stages
-    sent = sends * activation / par.tp
-    return sent, sent / bandwidth + sends * latency
+@dataclass(frozen=True)
+class LayerComms:
+    """Seconds of one block's collectives for one micro-batch (TP, PP) or one gradient sync (FSDP, HSDP)."""
+
+    tp_forward: float
+    tp_backward: float  # backward's, plus the recomputed forward's under checkpointing
+    fsdp_gather: float  # one all-gather of the block's e-byte parameters
+    fsdp_reduce: float  # reduce-scatter of its fp32 gradients
+    replicate_reduce: float  # HSDP all-reduce of the gradient shard across replicas
+    pp_send: float  # one stage-boundary activation (or gradient) send
 
 
-def estimate_comms(geo: Geometry, chip: Chip, hardware: HardwareConfig) -> list[DimPlacement]:
-    placed = []
-    for p in place(geo, chip, hardware):
-        latency = chip.intra_latency_s if p.domain == "intra" else chip.inter_latency_s
-        sent, time = dim_traffic(geo, p.dim, p.degree, p.bandwidth, latency)
-        placed.append(p.model_copy(update={"bytes_per_step": sent, "time_s": time}))
-    return placed
+def link_of(p: DimPlacement) -> Link:
+    return Link(p.latency_s, p.bandwidth or 1.0, p.reduce_scatter_factor, p.all_reduce_factor)
+
+
+def tp_activation_bytes(geo: Geometry) -> float:
+    """The gathered activation of one micro-batch: T·d·e (what a TP all-gather assembles)."""
+    return geo.microbatch_tokens * geo.model.dim * geo.compute_bytes
+
+
+def tp_backward_collectives(geo: Geometry) -> int:
+    recomputes = geo.parallel.activation_checkpointing != "none"
+    return TP_BACKWARD + (TP_FORWARD if recomputes else 0)
+
+
+def layer_comms(geo: Geometry, placement: dict[str, DimPlacement]) -> LayerComms:
+    tp, shard, rep, pp = (placement[d] for d in ("tp", "dp_shard", "dp_replicate", "pp"))
+    activation, layer = tp_activation_bytes(geo), geo.layer_params_tp
+    one_tp = collective_seconds("all_gather", activation, tp.degree, link_of(tp))  # = a reduce-scatter's
+    return LayerComms(
+        tp_forward=TP_FORWARD * one_tp,
+        tp_backward=tp_backward_collectives(geo) * one_tp,
+        fsdp_gather=collective_seconds("all_gather", layer * geo.compute_bytes, shard.degree, link_of(shard)),
+        fsdp_reduce=collective_seconds("reduce_scatter", layer * FP32, shard.degree, link_of(shard)),
+        replicate_reduce=collective_seconds(
+            "all_reduce", layer * FP32 / shard.degree, rep.degree, link_of(rep)
+        ),
+        pp_send=0.0 if pp.degree == 1 else pp.latency_s + activation / geo.parallel.tp / pp.bandwidth,
+    )
+
+
+def gradient_syncs(geo: Geometry) -> int:
+    """Gradient reductions (and FSDP gathers) per step: every micro-batch (the trainer's accumulation
+    loop reduce-scatters each one), or once under a pipeline (torch.distributed.pipelining defers the
+    FSDP sync to the last micro-batch's backward)."""
+    return geo.microbatches if geo.parallel.pp == 1 else 1
+
+
+def gathers_per_sync(geo: Geometry) -> int:
+    """All-gathers of each block per sync: forward, and backward again after a reshard (ZeRO-3)."""
+    return 2 if geo.reshard_after_forward else 1
+
+
+def traffic(geo: Geometry, placement: list[DimPlacement]) -> list[DimPlacement]:
+    """Fill each dimension's bytes sent and collective time per step (before overlap)."""
+    by_dim = {p.dim: p for p in placement}
+    comms, m, syncs = layer_comms(geo, by_dim), geo.microbatches, gradient_syncs(geo)
+    layers, units = geo.layers_per_stage, geo.stage_params / geo.parallel.tp
+    activation, par = tp_activation_bytes(geo), geo.parallel
+    tp_per_mb = TP_FORWARD + tp_backward_collectives(geo)  # collectives per block and micro-batch
+    shard_n, rep_n = by_dim["dp_shard"].degree, by_dim["dp_replicate"].degree
+    gathers = gathers_per_sync(geo)
+    bytes_and_time = {
+        "tp": (
+            sent_bytes("all_gather", activation, par.tp) * tp_per_mb * layers * m,
+            (comms.tp_forward + comms.tp_backward) * layers * m,
+        ),
+        "dp_shard": (
+            syncs * units * (gathers * geo.compute_bytes + FP32) * (shard_n - 1) / shard_n,
+            syncs * layers * (gathers * comms.fsdp_gather + comms.fsdp_reduce),
+        ),
+        "dp_replicate": (
+            syncs * sent_bytes("all_reduce", units * FP32 / shard_n, rep_n),
+            syncs * layers * comms.replicate_reduce,
+        ),
+        "pp": (
+            2 * m * par.pp_virtual_stages * activation / par.tp if par.pp > 1 else 0.0,
+            2 * m * par.pp_virtual_stages * comms.pp_send,
+        ),
+    }
+    return [
+        p.model_copy(update={"bytes_per_step": bytes_and_time[p.dim][0], "time_s": bytes_and_time[p.dim][1]})
+        for p in placement
+    ]

@@ -53,8 +53,15 @@ class Geometry:
 
     @property
     def reshard_after_forward(self) -> bool:
-        """As ``trainer.parallel`` sets it: pipelines keep a stage gathered between a micro-batch's fwd and bwd."""
-        return self.parallel.pp == 1
+        """As ``trainer.parallel`` sets it: the spec's choice (ZeRO-3 or ZeRO-2-like), except that
+        pipelines always keep a stage gathered between a micro-batch's fwd and bwd."""
+        return self.parallel.reshard_after_forward and self.parallel.pp == 1
+
+    @property
+    def root_params_tp(self) -> float:
+        """The heaviest stage's parameters outside its blocks (embedding, output, final norm) on one TP
+        rank: FSDP's root unit, gathered once per step and not resharded."""
+        return (self.stage_params - self.layers_per_stage * self.counts.per_layer) / self.parallel.tp
 
     @property
     def layer_params_tp(self) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 from trainer.backends.chips import get_chip
@@ -14,23 +16,20 @@ from trainer.config import (
     TrainConfig,
 )
 from trainer.plan import checkpointing
-from trainer.plan.comms import DimPlacement, estimate_comms
+from trainer.plan.comms import DimPlacement, place, traffic
 from trainer.plan.flops import model_flops_per_token, recompute_flops_per_token, tokens_per_step
 from trainer.plan.layout import Geometry
 from trainer.plan.memory import MemoryBreakdown, estimate_memory
+from trainer.plan.profile import HardwareProfile, catalog_profile
+from trainer.plan.timing import Overlap, StepTime, step_time
 
-# Fraction of peak the matmuls reach when not waiting for communication (assumed; large dense
-# transformer training reaches 40-55% MFU end to end, e.g. Llama 3 405B at 38-43% on H100).
-ASSUMED_MFU = 0.5
 # HBM the planner lets a layout use: the rest is runtime context, communicator buffers and allocator
 # fragmentation (assumed 10%).
 USABLE_HBM_FRACTION = 0.9
-# fp32 matmuls run at about half the bf16 rate (TF32 tensor cores on NVIDIA; assumed elsewhere).
-FP32_SLOWDOWN = 2.0
 
 
 class Plan(BaseModel):
-    """Everything the planner estimates for one layout; ``to_json`` is ``tessera plan --json``."""
+    """Everything the planner estimates for one layout; ``tessera plan --json`` prints it."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -54,7 +53,8 @@ class Plan(BaseModel):
     comm_time_s: float
     exposed_comm_time_s: float
     step_time_s: float
-    assumed_mfu: float
+    time_breakdown: StepTime
+    sources: dict[str, str]  # each hardware figure the time model used: catalog default or calibrated
     mfu: float
     tokens_per_second: float
     checkpoint_bytes: float
@@ -63,9 +63,6 @@ class Plan(BaseModel):
     mtbf_hours: float
     checkpoint_interval_steps: int
     placement: list[DimPlacement]
-
-    def to_json(self, indent: int | None = 2) -> str:
-        return self.model_dump_json(indent=indent)
 
     @property
     def layout(self) -> str:
@@ -86,74 +83,85 @@ def bubble_fraction(geo: Geometry) -> float:
     return (p - 1) / (geo.parallel.pp_virtual_stages * m)
 
 
+def memory_fields(geo: Geometry, hw: HardwareProfile) -> dict[str, Any]:
+    memory = estimate_memory(geo)
+    usable = USABLE_HBM_FRACTION * hw.chip.hbm_bytes
+    return dict(
+        memory_per_chip_bytes=memory,
+        hbm_bytes=hw.chip.hbm_bytes,
+        usable_hbm_bytes=usable,
+        fits=memory.total <= usable,
+    )
+
+
+def time_fields(
+    geo: Geometry, hw: HardwareProfile, hardware: HardwareConfig, overlap: Overlap | None
+) -> dict[str, Any]:
+    """Step time from its parts (``timing.py``); MFU = model FLOPs / (step · chips · peak bf16)."""
+    placement = traffic(geo, place(geo, hw, hardware))
+    time = step_time(geo, hw, placement, overlap)
+    tokens, flops_per_token = tokens_per_step(geo), model_flops_per_token(geo)
+    return dict(
+        tokens_per_step=tokens,
+        flops_per_token=flops_per_token,
+        flops_per_step=flops_per_token * tokens,
+        hardware_flops_per_step=(flops_per_token + recompute_flops_per_token(geo)) * tokens,
+        compute_time_s=time.compute_s,
+        bubble_fraction=bubble_fraction(geo),
+        comm_bytes_per_step=sum(p.bytes_per_step for p in placement),
+        comm_time_s=sum(p.time_s for p in placement),
+        exposed_comm_time_s=sum(time.exposed_comm_s.values()),
+        step_time_s=time.total_s,
+        time_breakdown=time,
+        sources=hw.sources,
+        mfu=flops_per_token * tokens / (time.total_s * hardware.world_size * hw.chip.peak_bf16_flops),
+        tokens_per_second=tokens / time.total_s,
+        placement=placement,
+    )
+
+
+def checkpoint_fields(
+    geo: Geometry, hw: HardwareProfile, hardware: HardwareConfig, checkpoint: CheckpointConfig, step_s: float
+) -> dict[str, Any]:
+    write_s = checkpointing.write_seconds(geo, hardware, checkpoint)
+    blocking_s = checkpointing.blocking_seconds(geo, hardware, checkpoint)
+    mtbf_s = checkpointing.mtbf_seconds(hw.chip, hardware)
+    return dict(
+        checkpoint_bytes=checkpointing.checkpoint_bytes(geo),
+        checkpoint_write_s=write_s,
+        checkpoint_blocking_s=blocking_s,
+        mtbf_hours=mtbf_s / 3600,
+        checkpoint_interval_steps=checkpointing.interval_steps(blocking_s, write_s, mtbf_s, step_s),
+    )
+
+
 def make_plan(
     model: ModelConfig,
     parallel: ParallelConfig,
     train: TrainConfig,
     hardware: HardwareConfig,
     checkpoint: CheckpointConfig,
-    assumed_mfu: float = ASSUMED_MFU,
+    profile: HardwareProfile | None = None,
+    overlap: Overlap | None = None,
 ) -> Plan:
     """Estimate one layout. Inputs must already satisfy ``trainer.config.layout_errors``.
 
-    Step time = compute · (1 + bubble) + exposed communication. Compute runs the hardware FLOPs at
-    ``assumed_mfu`` of peak. TP and PP transfers sit on the critical path (no async TP); FSDP's
-    prefetched all-gathers/reduce-scatters and HSDP's all-reduce overlap compute and show only where
-    they outlast it. Estimated MFU = model FLOPs / (step time × chips × peak bf16).
+    ``profile`` holds the hardware figures (``tessera calibrate``'s, via ``profile.load_profile``);
+    default: the chip catalog's. ``overlap`` says what the training loop overlaps; default: tessera's.
     """
-    chip = get_chip(hardware.chip)
+    hw = (profile or catalog_profile(get_chip(hardware.chip))).on_node(hardware.chips_per_node)
     geo = Geometry(model, parallel, train, hardware.accelerator)
-    chips = hardware.world_size
-    memory = estimate_memory(geo)
-    usable = USABLE_HBM_FRACTION * chip.hbm_bytes
-
-    tokens = tokens_per_step(geo)
-    flops_per_token = model_flops_per_token(geo)
-    hardware_flops = (flops_per_token + recompute_flops_per_token(geo)) * tokens
-    slowdown = FP32_SLOWDOWN if parallel.mixed_precision == "fp32" else 1.0
-    compute = hardware_flops / chips / (chip.peak_bf16_flops * assumed_mfu) * slowdown
-    bubble = bubble_fraction(geo)
-
-    placement = estimate_comms(geo, chip, hardware)
-    times = {p.dim: p.time_s for p in placement}
-    overlapped = times["dp_shard"] + times["dp_replicate"]
-    exposed = times["tp"] + times["pp"] + max(0.0, overlapped - compute)
-    step = compute * (1 + bubble) + exposed
-    mfu = flops_per_token * tokens / (step * chips * chip.peak_bf16_flops)
-
-    write_s = checkpointing.write_seconds(geo, hardware, checkpoint)
-    blocking_s = checkpointing.blocking_seconds(geo, hardware, checkpoint)
-    mtbf_s = checkpointing.mtbf_seconds(chip, hardware)
+    times = time_fields(geo, hw, hardware, overlap)
     return Plan(
-        chip=chip.name,
-        chips=chips,
+        chip=hw.chip.name,
+        chips=hardware.world_size,
         parallel=parallel,
         micro_batch_size=train.micro_batch_size,
         microbatches=geo.microbatches,
         params=geo.counts.total,
-        memory_per_chip_bytes=memory,
-        hbm_bytes=chip.hbm_bytes,
-        usable_hbm_bytes=usable,
-        fits=memory.total <= usable,
-        tokens_per_step=tokens,
-        flops_per_token=flops_per_token,
-        flops_per_step=flops_per_token * tokens,
-        hardware_flops_per_step=hardware_flops,
-        compute_time_s=compute,
-        bubble_fraction=bubble,
-        comm_bytes_per_step=sum(p.bytes_per_step for p in placement),
-        comm_time_s=sum(times.values()),
-        exposed_comm_time_s=exposed,
-        step_time_s=step,
-        assumed_mfu=assumed_mfu,
-        mfu=mfu,
-        tokens_per_second=tokens / step,
-        checkpoint_bytes=checkpointing.checkpoint_bytes(geo),
-        checkpoint_write_s=write_s,
-        checkpoint_blocking_s=blocking_s,
-        mtbf_hours=mtbf_s / 3600,
-        checkpoint_interval_steps=checkpointing.interval_steps(blocking_s, write_s, mtbf_s, step),
-        placement=placement,
+        **memory_fields(geo, hw),
+        **times,
+        **checkpoint_fields(geo, hw, hardware, checkpoint, times["step_time_s"]),
     )
 
 

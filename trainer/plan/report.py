@@ -19,13 +19,18 @@ def _flops(n: float) -> str:
     return f"{n:,.0f} FLOP"
 
 
-def format_plan(plan: Plan) -> Group:
-    """Summary, per-chip memory and mesh placement tables."""
+def _two_column_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def summary_rows(plan: Plan) -> list[tuple[str, str]]:
     mem = plan.memory_per_chip_bytes
-    summary = Table(title=f"plan: {plan.layout} on {plan.chips} × {plan.chip}", show_header=False)
-    summary.add_column(style="bold")
-    summary.add_column(justify="right")
-    rows = [
+    return [
         ("parameters", f"{plan.params / 1e9:,.3f} B"),
         (
             "fits",
@@ -38,8 +43,6 @@ def format_plan(plan: Plan) -> Group:
             "FLOPs / step (model; with recompute)",
             f"{_flops(plan.flops_per_step)}; {_flops(plan.hardware_flops_per_step)}",
         ),
-        ("compute time", f"{plan.compute_time_s:,.3f} s at {plan.assumed_mfu:.0%} of peak"),
-        ("pipeline bubble", f"{plan.bubble_fraction:.1%}"),
         (
             "communication",
             f"{_gb(plan.comm_bytes_per_step)} / step, {plan.comm_time_s:,.3f} s "
@@ -57,41 +60,76 @@ def format_plan(plan: Plan) -> Group:
             f"{plan.checkpoint_interval_steps:,} steps (MTBF {plan.mtbf_hours:,.1f} h)",
         ),
     ]
-    for row in rows:
-        summary.add_row(*row)
 
-    memory = Table(title="memory per chip")
-    for column in ("params", "grads", "optimizer", "activations", "buffers", "optimizer temp", "peak"):
-        memory.add_column(column, justify="right")
-    memory.add_row(
-        *(
-            _gb(x)
-            for x in (
-                mem.params,
-                mem.grads,
-                mem.optimizer,
-                mem.activations,
-                mem.buffers,
-                mem.optimizer_temp,
-                mem.total,
-            )
-        )
-    )
 
-    placement = Table(title="mesh placement (innermost first)")
-    for column in ("dim", "degree", "domain", "link", "GB/s per chip", "bytes / step", "time / step"):
-        placement.add_column(column, justify="right")
+def time_table(plan: Plan) -> Table:
+    """Where the step's seconds go (the parts sum to the step time), then each hardware figure's origin."""
+    time = plan.time_breakdown
+    table = Table(title="step time breakdown (slowest chip)")
+    for column in ("part", "seconds", "share"):
+        table.add_column(column, justify="right")
+    parts = [
+        ("compute (fwd + bwd)", time.compute_s - time.recompute_s),
+        ("recompute (activation checkpointing)", time.recompute_s),
+        *((f"exposed comm: {dim}", s) for dim, s in time.exposed_comm_s.items() if s > 0),
+        ("pipeline bubble", time.bubble_s),
+        ("optimizer step", time.optimizer_s),
+    ]
+    for name, seconds in parts:
+        table.add_row(name, f"{seconds:,.4f}", f"{seconds / time.total_s:.1%}")
+    table.add_row("step", f"{time.total_s:,.4f}", "100%", style="bold")
+    return table
+
+
+def sources_table(plan: Plan) -> Table:
+    table = Table(title="hardware figures used")
+    table.add_column("figure")
+    table.add_column("source")
+    for figure, source in plan.sources.items():
+        table.add_row(figure, source)
+    return table
+
+
+def memory_table(plan: Plan) -> Table:
+    mem = plan.memory_per_chip_bytes
+    table = Table(title="memory per chip")
+    columns = {
+        "params": mem.params,
+        "grads": mem.grads,
+        "optimizer": mem.optimizer,
+        "activations": mem.activations,
+        "buffers": mem.buffers,
+        "optimizer temp": mem.optimizer_temp,
+        "peak": mem.total,
+    }
+    for column in columns:
+        table.add_column(column, justify="right")
+    table.add_row(*(_gb(x) for x in columns.values()))
+    return table
+
+
+def placement_table(plan: Plan) -> Table:
+    table = Table(title="mesh placement (innermost first)")
+    for column in ("dim", "degree", "domain", "link", "GB/s per chip", "α µs", "bytes / step", "time / step"):
+        table.add_column(column, justify="right")
     for p in plan.placement:
-        placement.add_row(
+        table.add_row(
             p.dim,
             str(p.degree),
             p.domain,
             p.link,
             f"{p.bandwidth / 1e9:,.1f}",
+            f"{p.latency_s * 1e6:,.0f}",
             _gb(p.bytes_per_step),
             f"{p.time_s:,.3f} s",
         )
-    return Group(summary, memory, placement)
+    return table
+
+
+def format_plan(plan: Plan) -> Group:
+    """Summary, step-time breakdown with its sources, per-chip memory and mesh placement tables."""
+    summary = _two_column_table(f"plan: {plan.layout} on {plan.chips} × {plan.chip}", summary_rows(plan))
+    return Group(summary, time_table(plan), sources_table(plan), memory_table(plan), placement_table(plan))
 
 
 def format_search(plans: list[Plan]) -> Table:

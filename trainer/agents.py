@@ -1,24 +1,42 @@
 """torchrun agents on this host: each in its own session, recorded in the run dir, stopped as a group.
 
-The train task stops its agents when it ends; the record lets tear-down stop them too when the flow
-run is cancelled or crashes while the task's thread cannot clean up, so no worker outlives its run.
+The launcher stops its agents when it ends; the record lets tear-down stop them too when the flow
+run is cancelled or crashes while the task's thread cannot clean up. And each agent asks the kernel
+to send it SIGTERM when its launcher dies (``PR_SET_PDEATHSIG``), so even a launcher killed with
+SIGKILL leaves no agent training behind: torchrun stops its ranks on SIGTERM.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-PID_FILE = "agents.pid"
-STOP_GRACE_S = 15.0
+from trainer.rundir import RunDir
+
+STOP_GRACE_S = 30.0  # torchrun gives its workers as long to save a preempted step
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Resolved here, in the parent: between fork and exec the child only makes the one libc call.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
-def start_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> subprocess.Popen[str]:
-    """Start one agent (own session: a signal to its group reaches all its workers) and record its pid."""
+def _terminate_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the thread that started it exits (Linux only)."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_agent(cmd: list[str], env: dict[str, str], run_dir: RunDir) -> subprocess.Popen[str]:
+    """Start one agent (own session: a signal to its group reaches all its workers) and record its pid.
+
+    Call it from a thread that outlives the agent (the launcher waits for it in the same thread):
+    the kernel's parent-death signal follows the starting thread, not the process.
+    """
     proc = subprocess.Popen(
         cmd,
         env=env,
@@ -27,10 +45,20 @@ def start_agent(cmd: list[str], env: dict[str, str], run_dir: Path) -> subproces
         text=True,
         bufsize=1,
         start_new_session=True,
+        preexec_fn=_terminate_with_parent,
     )
-    with (run_dir / PID_FILE).open("a") as record:
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    with run_dir.agents.open("a") as record:
         record.write(f"{proc.pid}\n")
     return proc
+
+
+def is_stopped(pid: int) -> bool:
+    """True while ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP): state T in /proc/PID/stat."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def agent_workers(pid: int) -> list[int]:
@@ -62,18 +90,18 @@ def stop_agent(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
-def _is_agent_of(pid: int, run_dir: Path) -> bool:
+def _is_agent_of(pid: int, run_dir: RunDir) -> bool:
     """Guards against pid reuse: the process must still be a torchrun agent for this run dir."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return b"torch.distributed.run" in argv and str(run_dir).encode() in argv
+    return b"torch.distributed.run" in argv and str(run_dir.path).encode() in argv
 
 
-def stop_recorded_agents(run_dir: Path) -> list[int]:
+def stop_recorded_agents(run_dir: RunDir) -> list[int]:
     """Stop every recorded agent of ``run_dir`` still running (not our child here); return their pids."""
-    record = run_dir / PID_FILE
+    record = run_dir.agents
     if not record.exists():
         return []
     alive = [pid for pid in map(int, record.read_text().split()) if _is_agent_of(pid, run_dir)]

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
+import time
 from collections.abc import Callable
 from functools import wraps
 from pathlib import Path
@@ -15,6 +18,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from deployments.spec import SpecError, TrainingSpec, load_spec
+from trainer.failures import UserError
 
 app = typer.Typer(
     help="Train large transformers across many accelerators, driven by declarative Prefect workflows.\n\n"
@@ -31,10 +35,6 @@ app = typer.Typer(
 
 SpecPath = Annotated[Path, typer.Argument(help="Spec YAML file, e.g. deployments/specs/local-cpu.yaml.")]
 F = TypeVar("F", bound=Callable[..., object])
-
-
-class UserError(Exception):
-    """An error whose message is the whole story: shown without a traceback."""
 
 
 def user_errors(fn: F) -> F:
@@ -79,6 +79,10 @@ def plan(
         Path | None,
         typer.Option(help="Also draw the per-chip memory breakdown vs HBM as a PNG at this path."),
     ] = None,
+    profile: Annotated[
+        Path | None,
+        typer.Option(help="Chip profile from `tessera calibrate` to use instead of the catalog's figures."),
+    ] = None,
 ) -> None:
     """Estimate memory per chip, FLOPs, communication, step time, MFU and checkpoint cadence for SPEC.
 
@@ -86,18 +90,24 @@ def plan(
     """
     from rich.console import Console
 
+    from trainer.backends.chips import get_chip
     from trainer.plan import format_plan, format_search, make_plan, search_layouts
+    from trainer.plan.profile import load_profile
 
     loaded = load_spec(
         spec, overrides={"allow_oversubscribe": True}
     )  # show the plan even when it does not fit
     inputs = (loaded.model, loaded.parallel, loaded.train, loaded.cluster, loaded.checkpoint)
-    estimate = make_plan(*inputs)
+    try:
+        figures = load_profile(get_chip(loaded.cluster.chip), profile)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    estimate = make_plan(*inputs, profile=figures)
     if chart is not None:
         from trainer.plan.chart import plot_memory_breakdown
 
         typer.echo(f"memory chart: {plot_memory_breakdown(estimate, chart)}", err=True)
-    ranked = search_layouts(*inputs, top=top) if search else []
+    ranked = search_layouts(*inputs, top=top, profile=figures) if search else []
     if as_json:
         payload = estimate.model_dump(mode="json")
         if search:
@@ -108,6 +118,26 @@ def plan(
     console.print(format_plan(estimate))
     if search:
         console.print(format_search(ranked) if ranked else "no layout of this chip count fits")
+
+
+@app.command()
+@user_errors
+def calibrate(
+    out: Annotated[Path, typer.Option(help="Where to write the chip profile (JSON).")] = Path(
+        "runs/calibration/cpu.json"
+    ),
+    processes: Annotated[
+        int, typer.Option(help="Largest process group whose collectives are measured (2, 4, ...).")
+    ] = 4,
+) -> None:
+    """Measure this machine (GEMM throughput over shapes, memory bandwidth, kernel overhead, collective
+    α/β per process-group size) and write a chip profile for `tessera plan --profile`.
+
+    Example: tessera calibrate --out runs/calibration/cpu.json
+    """
+    from trainer.plan.calibrate import calibrate as measure
+
+    typer.echo(f"chip profile: {measure(out, max_ranks=processes)}")
 
 
 @app.command()
@@ -128,16 +158,35 @@ def train(
 
     Example: tessera train deployments/specs/local-cpu.yaml --run-dir runs/manual
     """
-    from trainer.failures import UserError as TrainerUserError
-    from trainer.launch import run_local
+    from deployments.run import Run
+    from trainer.launch import Stopped, launch_env, run_agents, stop_on_signals
     from trainer.progress import StepProgress
+    from trainer.rundir import RunDir
 
     loaded = load_spec(spec)
+    if nproc is not None and nproc != loaded.parallel.world_size:
+        raise UserError(
+            f"--nproc {nproc} does not match the spec's world size {loaded.parallel.world_size} "
+            f"(dp_replicate×dp_shard×tp×pp); pass --nproc {loaded.parallel.world_size} or change "
+            "parallel/cluster in the spec"
+        )
+    run = Run.open(loaded, RunDir(run_dir), data_url=data)
     try:
-        with StepProgress(run_dir / "metrics.jsonl", loaded.train.steps):
-            result = run_local(loaded.job_config(data_url=data), run_dir, nproc)
-    except TrainerUserError as exc:
-        raise UserError(str(exc)) from None
+        with stop_on_signals(), run.claim(), StepProgress(lambda: run.dir.metrics, loaded.train.steps):
+            if data is None:
+                typer.secho(
+                    "no --data: training on synthetic tokens (give a prepared manifest URL)", err=True
+                )
+            result = run_agents(
+                [run.torchrun_command()],
+                launch_env(run.job),
+                run.dir,
+                echo=sys.stdout.write,
+                stopped_after_s=loaded.faults.step_timeout_s,
+            )
+    except Stopped as stop:  # the agents and their ranks are stopped, the lease released: not an error
+        typer.secho(f"{stop}; training stopped, resume with the same --run-dir", err=True)
+        raise typer.Exit(128 + stop.signum) from None
     if result.kind != "ok":
         typer.secho(
             f"training failed: {result.kind.replace('_', ' ')} (worker exit code {result.worker_exit_code})",
@@ -166,21 +215,73 @@ def run(spec: SpecPath) -> None:
 
     Example: tessera run deployments/specs/local-cpu.yaml
     """
-    # A busy laptop can take longer than Prefect's 20 s default to start the temporary server.
+    # A busy laptop can take longer than Prefect's 20 s default to start the temporary server; its
+    # analytics service only fills the terminal with "database is locked" from the temporary SQLite.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from deployments.run import Run
     from flows.pipeline import train_pipeline
-    from tasks.paths import run_dir
+    from trainer.launch import Stopped, stop_on_signals
     from trainer.progress import StepProgress
 
     loaded = load_spec(spec)
-    directory = run_dir(loaded)
-    with StepProgress(directory / "metrics.jsonl", loaded.train.steps):
-        final = train_pipeline(loaded)
+    started = time.time()
+
+    def this_run() -> Path | None:
+        """The run the flow opens: the continued one, or the newest of the spec since this command began."""
+        runs = [r for r in Run.of_spec(loaded.name) if r.record.stat().st_mtime >= started]
+        return runs[-1].metrics if runs else None
+
+    try:
+        with stop_on_signals(), StepProgress(this_run, loaded.train.steps):
+            final = train_pipeline(loaded)
+    except Stopped as stop:  # the flow's tear-down stopped the agents; Prefect's server stops at exit
+        typer.secho(f"{stop}; the run stopped, its checkpoints are kept", err=True)
+        raise typer.Exit(128 + stop.signum) from None
+    directory = this_run()
     typer.echo(
-        f"\nfinal checkpoint: {final}\nrun dir:          {directory}  (metrics.jsonl, loss.png, evals/, "
-        f"report.md)\nartifacts:        prefect artifact ls  (keys {loaded.name}-plan, -progress, -eval, "
-        "-loss-curve, -report)"
+        f"\nfinal checkpoint: {final}\nrun dir:          {directory.parent if directory else '-'}  "
+        f"(metrics.jsonl, loss.png, evals/, report.md)\nartifacts:        prefect artifact ls  (keys "
+        f"{loaded.name}-plan, -progress, -eval, -loss-curve, -report)"
     )
+
+
+@app.command()
+@user_errors
+def submit(
+    deployment: Annotated[str, typer.Argument(help="FLOW/DEPLOYMENT, e.g. train-pipeline/local-cpu.")],
+    assignments: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="FIELD=VALUE to change in the deployment's spec; repeat it."),
+    ] = None,
+) -> None:
+    """Run a deployment with a few spec fields changed: merged into the deployment's own spec,
+    validated here (errors name the field), then created as a flow run on PREFECT_API_URL.
+
+    Example: tessera submit train-pipeline/local-cpu --set train.steps=30 --set optimizer.lr=1e-3
+    """
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from deployments.register import NoServer, require_server
+    from deployments.spec import apply_overrides, parse_spec
+
+    try:
+        require_server()
+    except NoServer as exc:
+        raise UserError(str(exc)) from None
+    with get_client(sync_client=True) as client:
+        try:
+            target = client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise UserError(f"no deployment {deployment!r}; `prefect deployment ls` lists them") from None
+        spec = parse_spec(
+            apply_overrides(target.parameters["spec"], assignments or []), f"{deployment} --set"
+        )
+        run = client.create_flow_run_from_deployment(
+            target.id, parameters={"spec": spec.model_dump(mode="json")}
+        )
+    typer.echo(f"flow run {run.name} ({run.id}) of {deployment} created; `prefect flow-run inspect {run.id}`")
 
 
 @app.command()
@@ -200,14 +301,17 @@ def render(
     Example: tessera render deployments/specs/gpu-llama3-8b-h100.yaml --out build/manifests
     """
     from deployments.kubernetes import ManifestError, render_manifests, validate_manifests, write_manifests
-    from tasks.plan import job_for
+    from deployments.run import Run, new_run_id
+    from trainer.rundir import RunDir
 
     loaded = load_spec(spec)
     if loaded.cluster.accelerator == "cpu":
         raise UserError(
             f"{spec}: cluster.accelerator=cpu runs on this host; render a gpu, tpu or trainium spec"
         )
-    manifests = render_manifests(loaded, job_for(loaded, data_url))
+    with tempfile.TemporaryDirectory() as scratch:  # a dry run: its run directory is thrown away
+        run = Run.open(loaded, RunDir(Path(scratch) / new_run_id(loaded.name)), data_url=data_url)
+    manifests = render_manifests(run)
     try:
         validate_manifests(manifests)
     except ManifestError as exc:

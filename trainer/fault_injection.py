@@ -1,6 +1,9 @@
 """Fault-injection hooks for tests: real NaNs, hangs and crashes inside a real training run.
 
 Read once from the environment at start-up; with none set (every production run) they do nothing.
+How the orchestrator then classifies the failures these cause is :mod:`trainer.failures`' business.
+The trainer holds one :class:`FaultInjector` and hands it to whatever it hooks into (the step loop,
+``CheckpointManager(faults=...)``).
 
 * ``TESSERA_FAULT_NAN_AT_STEP=N`` — step N's loss becomes NaN on every rank (the NaN guard fires).
 * ``TESSERA_FAULT_HANG_AT_STEP=N`` — rank 0 stops making progress at step N (the watchdog fires;

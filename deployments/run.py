@@ -1,0 +1,198 @@
+"""A run: one spec, built once into everything the CLI, flows, tasks, trainer and renderer need.
+
+A :class:`Run` owns the run's identity (its id, which names its directory), the resolved job
+(checkpoint location and cadence, the dataset), the plan, every path of its directory
+(:class:`trainer.rundir.RunDir`) and the torchrun command each launcher runs. Nothing else derives
+any of these. It imports no Prefect: ``tessera train`` opens a Run as the pipeline's tasks do.
+
+The resume rules, which a user can predict:
+
+- A new flow run is a new run (``<spec name>-<8 hex digits of the flow run id>``), with its own
+  directory, so an edited rerun, a schedule or the UI's default run always trains.
+- A Prefect retry of the same flow run, and a torchrun restart, reopen the same run and resume.
+- ``resume_from: <run id>`` continues an earlier run in its directory. If the spec changed in a way
+  that affects training, that is refused, naming the fields, unless ``allow_changes`` lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import uuid
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from deployments.spec import SpecError, TrainingSpec
+from trainer import storage
+from trainer.config import JobConfig
+from trainer.failures import UserError
+from trainer.job import resolve_job
+from trainer.launch import torchrun_command
+from trainer.lease import Lease
+from trainer.plan import Plan, plan_for_job
+from trainer.rundir import RunDir, runs_root
+
+# Spec fields that do not change what is trained (evaluation, logging, operations), so a continued
+# run may differ in them freely. A prefix covers a whole section.
+TRAINING_NEUTRAL = (
+    "name",
+    "eval",
+    "faults",
+    "train.log_every",
+    "data.num_proc",
+    "data.dask_address",
+    "cluster.work_pool",
+    "cluster.image",
+    "cluster.namespace",
+    "cluster.credentials_secret",
+    "cluster.queue",
+    "cluster.service_account",
+    "allow_oversubscribe",
+    "resume_from",
+    "allow_changes",
+)
+
+
+class RunConflict(SpecError):
+    """Continuing a run with a spec that trains differently, or a run that does not exist."""
+
+
+def new_run_id(name: str, token: str | None = None) -> str:
+    """``<name>-<8 hex digits>``: the flow run's id when there is one (a retry keeps it), else random."""
+    return f"{name}-{(token or uuid.uuid4().hex).replace('-', '')[:8]}"
+
+
+def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _leaves(value, f"{prefix}{key}.").items()}
+    return {prefix.rstrip("."): tree}
+
+
+def _covered(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:
+    return any(path == p or path.startswith(f"{p}.") for p in prefixes)
+
+
+def training_changes(earlier: dict[str, Any], spec: TrainingSpec) -> list[str]:
+    """``field: old → new`` for each field that differs and could change the loss curve."""
+    old, new = _leaves(earlier), _leaves(spec.model_dump(mode="json"))
+    allowed = (*TRAINING_NEUTRAL, *spec.allow_changes)
+    return [
+        f"{path}: {old.get(path)!r} → {new.get(path)!r}"
+        for path in sorted(old.keys() | new.keys())
+        if old.get(path) != new.get(path) and not _covered(path, allowed)
+    ]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of ``spec``: identity, directory, resolved job; built by :meth:`open`."""
+
+    spec: TrainingSpec
+    dir: RunDir
+    job: JobConfig
+
+    @property
+    def run_id(self) -> str:
+        return self.dir.run_id
+
+    @cached_property
+    def plan(self) -> Plan:
+        return plan_for_job(self.job)
+
+    @classmethod
+    def open(
+        cls,
+        spec: TrainingSpec,
+        run_dir: RunDir | None = None,
+        data_url: str | None = None,
+        token: str | None = None,
+    ) -> Run:
+        """Start or continue a run, after the resume rules; writes ``run.json`` and ``job.json``.
+
+        The directory is ``run_dir`` when given (``tessera train --run-dir``), else the run named by
+        ``spec.resume_from``, else a new one named from ``token`` (the flow run id) under the runs root.
+        """
+        if run_dir is None:
+            run_dir = RunDir(runs_root() / (spec.resume_from or new_run_id(spec.name, token)))
+            if spec.resume_from and not run_dir.record.exists():
+                raise RunConflict(
+                    f"resume_from={spec.resume_from!r}: no such run under {run_dir.path.parent}; give the id "
+                    "of an earlier run (a directory there), or leave resume_from empty for a new run"
+                )
+        run_dir = RunDir(run_dir.path.resolve())
+        if run_dir.record.exists():
+            earlier = json.loads(run_dir.record.read_text())["spec"]
+            if changes := training_changes(earlier, spec):
+                raise RunConflict(
+                    f"run {run_dir.run_id} was started with a spec that trains differently: "
+                    f"{'; '.join(changes)}. Start a new run (leave resume_from empty), or list the fields in "
+                    "allow_changes if continuing with the change is intended"
+                )
+        job = resolve_job(spec.job_config(data_url, run_id=run_dir.run_id), run_dir)
+        run = cls(spec, run_dir, job)
+        run.write()
+        return run
+
+    @classmethod
+    def load(cls, run_dir: RunDir) -> Run:
+        """The run recorded in ``run_dir`` as it was last opened (catch-up evaluation reads it)."""
+        spec = TrainingSpec.model_validate(json.loads(run_dir.record.read_text())["spec"])
+        return cls(spec, run_dir, JobConfig.model_validate_json(run_dir.job.read_text()))
+
+    def write(self) -> None:
+        self.dir.path.mkdir(parents=True, exist_ok=True)
+        record = {"run_id": self.run_id, "spec": self.spec.model_dump(mode="json")}
+        self.dir.record.write_text(json.dumps(record, indent=2))
+        self.dir.job.write_text(self.job.model_dump_json(indent=2))
+
+    def claim(self) -> Lease:
+        """Own the run's checkpoint location for one launch (see :mod:`trainer.lease`).
+
+        Also the pre-flight write check: a read-only location, or one that is a file, fails here in
+        one line naming ``checkpoint.url``, before any step is trained and lost.
+        """
+        assert self.job.checkpoint.url is not None
+        lease = Lease(self.job.checkpoint.url, self.run_id)
+        try:
+            lease.acquire()
+        except storage.StoreError as error:
+            raise UserError(
+                f"checkpoint.url={self.job.checkpoint.url!r} cannot be written ({error}); point it at a "
+                "writable directory or bucket"
+            ) from None
+        return lease
+
+    def torchrun_command(
+        self,
+        node_rank: int = 0,
+        rdzv_endpoint: str | None = None,
+        job_path: Path | None = None,
+        run_dir: Path | None = None,
+        python: str = sys.executable,
+    ) -> list[str]:
+        """One torchrun agent of this run. Locally the defaults are right; a pod passes where its job
+        file is mounted, its scratch run directory and the image's interpreter."""
+        cluster = self.spec.cluster
+        command = torchrun_command(
+            job_path or self.dir.job,
+            run_dir or self.dir.path,
+            cluster.chips_per_node,
+            cluster.nodes,
+            node_rank,
+            rdzv_endpoint,
+            self.spec.faults.max_restarts,
+            run_id=self.run_id,
+        )
+        return [python, *command[1:]]
+
+    @staticmethod
+    def of_spec(name: str) -> list[RunDir]:
+        """The recorded runs of the spec ``name`` under the runs root, oldest first."""
+        ids = re.compile(rf"{re.escape(name)}-[0-9a-f]{{8}}")
+        runs = [RunDir(p) for p in runs_root().glob(f"{name}-*") if ids.fullmatch(p.name)]
+        return sorted(
+            (r for r in runs if r.record.exists() and r.job.exists()), key=lambda r: r.record.stat().st_mtime
+        )

@@ -1,0 +1,269 @@
+"""Every way of stopping ``tessera train`` stops everything it started, and one run directory has one
+owner: real ``tessera train`` processes, real signals (SIGTERM, SIGKILL, SIGSTOP), real torchrun.
+
+One scenario, three launches into one run directory:
+1. A trains (slowed, so there is time to act);
+2. B, started on the same run directory while A runs, is refused in one line naming A;
+3. A's launcher is SIGKILLed: its agent and ranks follow it within seconds (parent-death signal);
+4. C takes over at once (A's process is gone), resumes, and is stopped with SIGTERM: its ranks
+   checkpoint the step they were on (preemption), it exits 143, nothing is left running and its
+   lease is released.
+And separately: an agent held by SIGSTOP is killed after ``faults.step_timeout_s`` instead of hanging
+``tessera train`` forever; an unwritable checkpoint location is refused before training starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.fault_report import FaultRow, record
+from tests.pipeline_specs import MICRO_MODEL
+from trainer.agents import is_stopped
+from trainer.checkpoint import list_checkpoints
+from trainer.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+WAIT_S = 120.0
+SPEC: dict[str, Any] = {
+    "name": "stops",
+    "model": MICRO_MODEL,
+    "data": {"loader_workers": 0},
+    "train": {"steps": 200, "seq_len": 16, "global_batch_size": 4, "micro_batch_size": 2},
+    "parallel": {"dp_shard": 2},
+    "cluster": {"chips_per_node": 2},
+    "checkpoint": {"interval": 2, "mode": "sync"},
+    "faults": {"max_restarts": 0, "step_timeout_s": 60},
+}
+SLOW = {"TESSERA_FAULT_SLOW_RANK": "0", "TESSERA_FAULT_SLOW_S": "0.2"}
+
+
+def tessera_train(spec_file: Path, run_dir: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tessera.cli", "train", str(spec_file), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Every live torchrun agent or rank whose command line names ``run_dir``."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if (
+            state != "Z"
+            and str(run_dir).encode() in argv
+            and (b"torch.distributed.run" in argv or b"trainer.train" in argv)
+        ):
+            pids.append(int(proc.name))
+    return pids
+
+
+def wait_until(condition: Any, what: str, timeout_s: float = WAIT_S) -> float:
+    """Poll ``condition`` until true; the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def steps_logged(run_dir: Path) -> int:
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return records[-1]["step"] if records else 0
+
+
+@pytest.fixture
+def spec_file(tmp_path: Path) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(SPEC))
+    return path
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_one_owner_a_killed_launcher_leaves_nothing_and_sigterm_stops_cleanly(
+    spec_file: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    first = tessera_train(spec_file, run_dir, SLOW)
+    try:
+        wait_until(lambda: steps_logged(run_dir) >= 1, "A's first step")
+        second = tessera_train(spec_file, run_dir)
+        _, err = second.communicate(timeout=WAIT_S)
+        assert second.returncode == 1, err
+        assert f"in use by run 'run' (pid {first.pid} on " in err and "Traceback" not in err
+        assert err.count("\n") == 1, err
+
+        first.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal reaches the agent
+        first.communicate()
+        orphans_gone_s = wait_until(lambda: not processes_of(run_dir), "A's agent and ranks to stop", 60)
+    finally:
+        first.kill()
+
+    resumed_from = max(m.step for m in list_checkpoints(str(run_dir / "checkpoints")) if m.good)
+    third = tessera_train(spec_file, run_dir, SLOW)
+    try:
+        wait_until(lambda: (run_dir / "checkpoints" / "owner.json").exists(), "C's lease")
+        before = steps_logged(run_dir)
+        wait_until(lambda: steps_logged(run_dir) > before, "C to train a step")
+        third.send_signal(signal.SIGTERM)
+        out, err = third.communicate(timeout=60)
+    finally:
+        third.kill()
+    assert third.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert f"resumed from step {resumed_from}" in out  # A's last commit: nothing of A's work was lost twice
+    assert not processes_of(run_dir), "SIGTERM left a torchrun agent or rank running"
+    assert not (run_dir / "checkpoints" / "owner.json").exists(), "the lease was not released"
+    assert not (run_dir / "user_error.json").exists(), "a stop is not a user error"
+    # Preemption: the ranks finished the step they were on, checkpointed it, and exited; none is lost.
+    preempted = int(out.split("preempted (SIGTERM) after step ", 1)[1].split(",", 1)[0])
+    newest = max(m.step for m in list_checkpoints(str(run_dir / "checkpoints")) if m.good)
+    assert newest == preempted == steps_logged(run_dir)
+    record(
+        FaultRow(
+            "two tessera train on one run dir", "failed clearly", "second refused", None, None, None, None
+        )
+    )
+    record(
+        FaultRow(
+            "kill -9 of the tessera train launcher",
+            "recovered",
+            "agents stopped",
+            round(orphans_gone_s, 1),
+            None,
+            None,
+            None,
+        )
+    )
+    record(FaultRow("SIGTERM of tessera train (preemption)", "recovered", "preempted", None, 0, None, None))
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_a_stopped_agent_is_killed_after_the_step_timeout_not_waited_for(tmp_path: Path) -> None:
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({**SPEC, "faults": {"max_restarts": 0, "step_timeout_s": 3}}))
+    run_dir = tmp_path / "run"
+    launch = tessera_train(spec_file, run_dir, SLOW)
+    try:
+        wait_until(lambda: steps_logged(run_dir) >= 1, "the first step")
+        (agent,) = [
+            pid
+            for pid in processes_of(run_dir)
+            if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        os.kill(agent, signal.SIGSTOP)
+        assert is_stopped(agent) or wait_until(lambda: is_stopped(agent), "SIGSTOP to take", 5) >= 0
+        stopped_at = time.monotonic()
+        out, err = launch.communicate(timeout=WAIT_S)
+        detected_s = time.monotonic() - stopped_at
+    finally:
+        launch.kill()
+    assert launch.returncode != 0 and "training failed: node failure" in err, err[-3000:]
+    assert f"tessera: agent {agent} was stopped for 3 s; killed it" in out
+    assert not processes_of(run_dir)
+    record(
+        FaultRow(
+            "SIGSTOP of the torchrun agent",
+            "failed clearly",
+            "node_failure",
+            round(detected_s, 1),
+            None,
+            None,
+            None,
+        )
+    )
+
+
+@pytest.mark.parametrize("problem", ["a file", "a read-only filesystem"])
+def test_an_unwritable_checkpoint_location_is_refused_before_training(tmp_path: Path, problem: str) -> None:
+    if problem == "a file":
+        location = str(tmp_path / "ckpt")
+        Path(location).write_text("not a directory")
+    else:
+        location = "/proc/self/tessera-checkpoints"  # unwritable for root too, unlike a chmod
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump({**SPEC, "checkpoint": {"url": location, "interval": 2}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "train", str(spec_file), "--run-dir", str(tmp_path / "run")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert done.returncode == 1, done.stderr
+    assert f"checkpoint.url={location!r} cannot be written" in done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Any:
+    """A 1 MiB tmpfs: less than one checkpoint of the micro model (mounting needs root)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_a_full_disk_is_named_on_every_attempt_and_leaves_no_debris(small_disk: Path, tmp_path: Path) -> None:
+    spec_file = tmp_path / "spec.yaml"
+    spec = {
+        **SPEC,
+        "train": {**SPEC["train"], "steps": 4},
+        "checkpoint": {"url": str(small_disk / "ckpt"), "interval": 2},
+    }
+    spec_file.write_text(yaml.safe_dump(spec))
+    for attempt in (1, 2):  # the second finds the first's partial and the same full disk
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tessera.cli",
+                "train",
+                str(spec_file),
+                "--run-dir",
+                str(tmp_path / "run"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
+        output = done.stdout + done.stderr  # the ranks' lines come through the agent's output
+        assert done.returncode == 3, (attempt, output[-3000:])
+        (line,) = [line for line in output.splitlines() if line.startswith("error: [rank 0]")]
+        assert "out of space" in line and "checkpoint.keep_last + 1 checkpoints" in line, (attempt, line)
+        assert "unexpected pos" not in line
+    leftovers = [p.name for p in small_disk.rglob("*") if ".tmp-" in p.name]
+    assert not leftovers, leftovers
+    assert not processes_of(tmp_path / "run")
+    record(
+        FaultRow(
+            "disk full while checkpointing (twice)", "failed clearly", "user_error", None, None, None, None
+        )
+    )

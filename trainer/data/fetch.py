@@ -1,0 +1,171 @@
+"""Shard reads that hide the store's latency: up to K shards fetched ahead, and an optional local cache.
+
+The loader asks for the shard its next rows are in, and says which shards come after it in the
+seeded order; :class:`ShardReader` keeps that shard and fetches the next ``prefetch`` (K) of them on K
+threads, so with K ≥ 1 a shard's download overlaps the reading of the one before it. Everything else
+is dropped. Memory is bounded: per source and per loader process, at most K + 1 shards are held or in
+flight, each as its tar bytes while it downloads and decodes and as its decoded tokens after, so the
+peak is below ``(K + 1) × (tar bytes + token bytes)`` of the largest shard (measured by
+``benchmarks/bench_data.py``). Every read goes through :func:`trainer.storage.read`: transient store
+errors are retried with jittered exponential backoff, and a shard is checked against the manifest's
+sha256 before use.
+
+With a cache directory, verified shards are also kept on local disk under their sha256, so a second
+epoch, a restarted job or another rank on the same host reads the disk instead of the store; the
+least recently used files are deleted to stay under the size bound. Several processes may share one
+cache directory (files are written under a unique name and renamed into place).
+
+Settings come from the environment of the training processes, because they describe the host (its
+local disk, its memory), not the run:
+
+- ``TESSERA_DATA_PREFETCH``: K, shards fetched ahead per source (default 2; 0 fetches on demand).
+- ``TESSERA_DATA_CACHE_DIR``: the local cache directory (default: none, no cache).
+- ``TESSERA_DATA_CACHE_GB``: the cache's size bound in GB (default 50).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from webdataset.tariterators import group_by_keys, tar_file_expander
+
+from trainer.data.errors import DataError
+from trainer.data.manifest import DatasetManifest, ShardInfo, TokenDtype
+from trainer.data.shards import TOKENS_EXT
+from trainer.storage import StoreNotFound, read
+
+DEFAULT_PREFETCH = 2
+DEFAULT_CACHE_GB = 50.0
+
+
+@dataclass(frozen=True)
+class FetchSettings:
+    prefetch: int = DEFAULT_PREFETCH
+    cache_dir: str | None = None
+    cache_bytes: int = int(DEFAULT_CACHE_GB * 1e9)
+
+    @classmethod
+    def from_env(cls) -> FetchSettings:
+        try:
+            prefetch = int(os.environ.get("TESSERA_DATA_PREFETCH", DEFAULT_PREFETCH))
+            cache_gb = float(os.environ.get("TESSERA_DATA_CACHE_GB", DEFAULT_CACHE_GB))
+        except ValueError as error:
+            raise DataError(
+                f"TESSERA_DATA_PREFETCH / TESSERA_DATA_CACHE_GB must be numbers ({error})"
+            ) from None
+        if prefetch < 0 or cache_gb <= 0:
+            raise DataError("TESSERA_DATA_PREFETCH must be >= 0 and TESSERA_DATA_CACHE_GB > 0")
+        return cls(prefetch, os.environ.get("TESSERA_DATA_CACHE_DIR") or None, int(cache_gb * 1e9))
+
+
+class ShardCache:
+    """Verified shards on local disk, named by sha256, least recently used deleted beyond ``max_bytes``."""
+
+    def __init__(self, directory: str, max_bytes: int) -> None:
+        self.directory, self.max_bytes = Path(directory), max_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def get(self, shard: ShardInfo) -> bytes | None:
+        path = self.directory / f"{shard.sha256}.tar"
+        try:
+            data = path.read_bytes()
+            os.utime(path)  # recently used
+        except FileNotFoundError:
+            return None
+        return data if hashlib.sha256(data).hexdigest() == shard.sha256 else None
+
+    def put(self, shard: ShardInfo, data: bytes) -> None:
+        path = self.directory / f"{shard.sha256}.tar"
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{id(data)}")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        self._evict()
+
+    def _evict(self) -> None:
+        files = []
+        for path in self.directory.glob("*.tar"):
+            with contextlib.suppress(FileNotFoundError):  # another process evicted it first
+                stat = path.stat()
+                files.append((stat.st_mtime_ns, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                return
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            total -= size
+
+
+class ShardReader:
+    """A dataset's decoded shards by index: the one being read plus at most K fetched ahead."""
+
+    def __init__(self, manifest: DatasetManifest, shards: list[ShardInfo], settings: FetchSettings) -> None:
+        self.manifest, self.shards, self.settings = manifest, shards, settings
+        self.cache = ShardCache(settings.cache_dir, settings.cache_bytes) if settings.cache_dir else None
+        self._held: OrderedDict[int, Future[np.ndarray]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None  # created on first use: after any worker fork
+
+    def get(self, index: int, upcoming: list[int]) -> np.ndarray:
+        """Shard ``index``, decoded; starts fetching the first K of ``upcoming`` (the shards read next)."""
+        wanted = [index, *[i for i in dict.fromkeys(upcoming) if i != index][: self.settings.prefetch]]
+        for stale in [i for i in self._held if i not in wanted]:
+            del self._held[stale]
+        for i in wanted:
+            if i not in self._held:
+                self._pool = self._pool or ThreadPoolExecutor(
+                    max(1, self.settings.prefetch), thread_name_prefix="shard-prefetch"
+                )
+                self._held[i] = self._pool.submit(self._fetch, self.shards[i])
+        return self._held[index].result()
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled into loader worker processes without threads or shards: each worker fetches its own."""
+        return {**self.__dict__, "_held": OrderedDict(), "_pool": None}
+
+    def _fetch(self, shard: ShardInfo) -> np.ndarray:
+        data = self.cache.get(shard) if self.cache else None
+        if data is None:
+            data = fetch_verified(self.manifest.url_of(shard.name), shard)
+            if self.cache:
+                self.cache.put(shard, data)
+        return decode_shard(data, self.manifest.dtype, self.manifest.sample_len, shard.name)
+
+
+def decode_shard(data: bytes, dtype: TokenDtype, sample_len: int, name: str) -> np.ndarray:
+    """All samples of a shard as an array [samples, sample_len], in stored order."""
+    try:
+        members = group_by_keys(tar_file_expander([{"url": name, "stream": io.BytesIO(data)}]))
+        rows = [np.frombuffer(sample[TOKENS_EXT], dtype=dtype) for sample in members]
+    except Exception as error:
+        raise DataError(f"shard {name} is not a readable tar of token samples ({error})") from error
+    if not rows or any(len(row) != sample_len for row in rows):
+        raise DataError(f"shard {name} holds samples of the wrong length (want {sample_len} tokens)")
+    return np.stack(rows)
+
+
+def fetch_shard(url: str, shard: ShardInfo, dtype: TokenDtype, sample_len: int) -> np.ndarray:
+    """Download one shard, check it, and decode it: ``[samples, sample_len]`` in stored order."""
+    return decode_shard(fetch_verified(url, shard), dtype, sample_len, url)
+
+
+def fetch_verified(url: str, shard: ShardInfo) -> bytes:
+    """Download one shard (retried on transient errors) and check its sha256 against the manifest."""
+    try:
+        data = read(url)
+    except StoreNotFound as error:
+        raise DataError(f"shard {url} listed in the manifest is missing; re-run data preparation") from error
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != shard.sha256:
+        raise DataError(
+            f"shard {url} is corrupt: sha256 {digest[:12]}… but the manifest says "
+            f"{shard.sha256[:12]}…; re-run data preparation"
+        )
+    return data

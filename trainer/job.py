@@ -1,0 +1,22 @@
+"""A job made ready to train: its checkpoint location and cadence decided, once.
+
+``deployments.run.Run`` resolves the job when it opens a run and writes it to ``job.json``; the
+torchrun entry point resolves what it reads again only so that a hand-written ``job.json`` (the
+``python -m trainer.train`` docstring) works too. For a job the Run wrote, that is a no-op.
+"""
+
+from __future__ import annotations
+
+from trainer.config import JobConfig
+from trainer.plan import resolve_checkpoint_interval
+from trainer.rundir import RunDir
+
+
+def resolve_job(job: JobConfig, run_dir: RunDir) -> JobConfig:
+    """``job`` with ``checkpoint.url`` defaulted to the run's (absolute, so every process agrees on it)
+    and ``checkpoint_interval_steps`` fixed (the planner's Young/Daly optimum for ``interval: auto``)."""
+    checkpoint = job.checkpoint
+    if checkpoint.url is None:
+        checkpoint = checkpoint.model_copy(update={"url": str(run_dir.checkpoints.resolve())})
+    interval = job.checkpoint_interval_steps or resolve_checkpoint_interval(job)
+    return job.model_copy(update={"checkpoint": checkpoint, "checkpoint_interval_steps": interval})

@@ -1,0 +1,136 @@
+"""Compute seconds of one micro-batch on one chip, part by part: blocks, recompute, head, optimizer.
+
+Shapes follow ``trainer/model.py`` under TP with sequence parallelism (Megatron-style, Korthikanti et
+al. 2022): column-parallel matmuls see the whole micro-batch's T tokens and 1/t of the output
+features, row-parallel ones 1/t of the inner dimension; norms, residual adds and casts run on the
+sequence shard (T/t tokens). Backward runs each matmul twice (input and weight gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.plan.kernels import attention_seconds, gemm_seconds, memory_seconds, with_launches
+from trainer.plan.layout import Geometry
+from trainer.plan.profile import HardwareProfile
+
+FP32 = 4
+BACKWARD_ATTENTION = 2.5  # flash attention backward / forward FLOPs (FlashAttention-2, §3.1.2)
+# Kernels per block forward, counted from trainer/model.py under torch 2.13: 7 matmuls, SDPA, and the
+# element-wise ops (two fp32 RMSNorms of 6 ops each, RoPE's 10, two residual adds, SwiGLU's 2, views and
+# casts); compiled blocks fuse the element-wise ops into ~6 Triton/C++ kernels. Backward launches ~2×.
+BLOCK_KERNELS = {False: 45, True: 14}
+BACKWARD_KERNELS = 2
+
+
+@dataclass(frozen=True)
+class BlockSeconds:
+    """One block, one micro-batch, one chip: forward, backward, and what checkpointing recomputes."""
+
+    forward: float
+    backward: float
+    recompute: float
+
+
+def block_matmuls(geo: Geometry) -> list[tuple[float, float, float]]:
+    """(m, n, k) of the block's forward matmuls on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
+    model, t, tokens = geo.model, geo.parallel.tp, geo.microbatch_tokens
+    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    return [
+        (tokens, d / t, d),
+        (tokens, kv / t, d),
+        (tokens, kv / t, d),
+        (tokens, d, d / t),
+        (tokens, f / t, d),
+        (tokens, f / t, d),
+        (tokens, d, f / t),
+    ]
+
+
+def elementwise_bytes(geo: Geometry) -> float:
+    """HBM bytes of one block's forward element-wise work on one chip.
+
+    Eager (counted from trainer/model.py): each RMSNorm upcasts to fp32 and makes ~7 fp32 passes over
+    d (14 for both); the two residual adds 3 passes each; RoPE ~6 passes over q and k; SwiGLU's silu and
+    product 5 passes over f. Compiled blocks fuse them: norm + residual read and write once (3 passes
+    each), RoPE 3, SwiGLU 3 (read both inputs, write the product). Backward moves about twice as much.
+    """
+    model, e, t = geo.model, geo.compute_bytes, geo.parallel.tp
+    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    if geo.parallel.compile:
+        per_token = e * (6 * d + 3 * (d + kv) + 3 * f)
+    else:
+        per_token = FP32 * 14 * d + e * (6 * d + 6 * (d + kv) + 5 * f)
+    return geo.microbatch_tokens * per_token / t
+
+
+def fsdp_copy_bytes(geo: Geometry) -> float:
+    """FSDP2's copies around each block's collectives: the all-gather's copy-out of the e-byte layer
+    (read + write) and the reduce-scatter's fp32 copy-in of its gradient (read e, write 4)."""
+    layer = geo.layer_params_tp
+    return layer * (2 * geo.compute_bytes + geo.compute_bytes + FP32)
+
+
+def block_seconds(geo: Geometry, hw: HardwareProfile) -> BlockSeconds:
+    """Forward and backward of one block; recompute is a forward under full checkpointing and the
+    element-wise part of one under selective (its policy keeps matmul and attention outputs)."""
+    precision = geo.parallel.mixed_precision
+    matmuls = sum(gemm_seconds(m, n, k, hw, precision) for m, n, k in block_matmuls(geo))
+    backward_matmuls = sum(
+        gemm_seconds(m, k, n, hw, precision) + gemm_seconds(k, n, m, hw, precision)
+        for m, n, k in block_matmuls(geo)
+    )
+    model = geo.model
+    width = model.n_heads * model.head_dim / geo.parallel.tp
+    attention = attention_seconds(geo.train.micro_batch_size, geo.train.seq_len, width, hw, precision)
+    elementwise = memory_seconds(elementwise_bytes(geo), hw)
+    copies = memory_seconds(fsdp_copy_bytes(geo), hw)
+    kernels = BLOCK_KERNELS[geo.parallel.compile]
+    forward = with_launches(matmuls + attention + elementwise + copies / 2, kernels, hw)
+    backward = with_launches(
+        backward_matmuls + BACKWARD_ATTENTION * attention + 2 * elementwise + copies / 2,
+        BACKWARD_KERNELS * kernels,
+        hw,
+    )
+    recompute = {
+        "none": 0.0,
+        "selective": with_launches(elementwise, kernels - len(block_matmuls(geo)) - 1, hw),
+        "full": forward,
+    }[geo.parallel.activation_checkpointing]
+    return BlockSeconds(forward, backward, recompute)
+
+
+def head_seconds(geo: Geometry, hw: HardwareProfile) -> float:
+    """Output projection and loss, forward and backward, on the last stage.
+
+    The (T × d)·(d × V/t) matmul three times, and the cross-entropy's memory traffic over T·V/t logits:
+    written in e, upcast and log-softmaxed in fp32 (~4 fp32 passes), its gradient formed and cast
+    back (~3 passes): ≈ 28 + 2e bytes per logit.
+    """
+    model, t, tokens = geo.model, geo.parallel.tp, geo.microbatch_tokens
+    precision = geo.parallel.mixed_precision
+    m, n, k = tokens, model.vocab_size / t, model.dim
+    matmuls = gemm_seconds(m, n, k, hw, precision) + gemm_seconds(m, k, n, hw, precision)
+    matmuls += gemm_seconds(k, n, m, hw, precision)
+    loss = memory_seconds(tokens * n * (7 * FP32 + 2 * geo.compute_bytes), hw)
+    return with_launches(matmuls + loss, 20, hw)
+
+
+def embedding_seconds(geo: Geometry, hw: HardwareProfile) -> float:
+    """Embedding lookup (T·d·e written) and its backward scatter-add into fp32 (T·d·(e + 4) moved)."""
+    nbytes = geo.microbatch_tokens * geo.model.dim * (2 * geo.compute_bytes + FP32)
+    return with_launches(memory_seconds(nbytes, hw), 4, hw)
+
+
+# AdamW's foreach step reads p, g, m, v and writes p, m, v in fp32 (28 B/param); clipping reads the
+# gradients for the norm and scales them (12 B/param): 40 B per local parameter.
+OPTIMIZER_BYTES_PER_PARAM = 40
+OPTIMIZER_KERNELS_PER_TENSOR = 12  # torch's per-tensor AdamW loop (what the trainer runs on CPU)
+TENSORS_PER_BLOCK = 9  # 7 projections + 2 norm gains
+
+
+def optimizer_seconds(geo: Geometry, hw: HardwareProfile) -> float:
+    """The optimizer step: memory-bound over the chip's parameters; on CPU plus per-tensor dispatch."""
+    tensors = TENSORS_PER_BLOCK * geo.layers_per_stage + 3
+    kernels = OPTIMIZER_KERNELS_PER_TENSOR * (tensors if hw.host_bound else 1)
+    return with_launches(memory_seconds(OPTIMIZER_BYTES_PER_PARAM * geo.chip_params, hw), kernels, hw)

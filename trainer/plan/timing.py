@@ -1,0 +1,144 @@
+"""Step time from its parts, with an explicit model of what overlaps what.
+
+Per micro-batch, the slowest pipeline stage runs its blocks' forward, backward and recompute
+(``compute.py``), the first stage the embedding, the last the output head and loss; TP collectives
+and pipeline sends sit on that critical path (no async TP). Across micro-batches:
+
+- FSDP prefetches block i+1's all-gather while block i computes (FSDP2's implicit prefetch), so a
+  gather shows only where it outlasts a block's forward; in backward, block i's reduce-scatter (and
+  the HSDP all-reduce after it) runs behind block i−1's backward. The first gather and the last
+  reduction have nothing to hide behind. The root unit (embedding, head) is gathered once per step.
+- A pipeline adds the bubble: GPipe and 1F1B idle (p−1) stage-slots per step, interleaved 1F1B
+  (p−1)/v (Narayanan et al. 2021, §2.2); with unequal stages, Σ stages − slowest, over v.
+- The optimizer step follows the last reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
+
+from trainer.plan.comms import (
+    FP32,
+    DimPlacement,
+    LayerComms,
+    collective_seconds,
+    gathers_per_sync,
+    gradient_syncs,
+    layer_comms,
+    link_of,
+)
+from trainer.plan.compute import (
+    BlockSeconds,
+    block_seconds,
+    embedding_seconds,
+    head_seconds,
+    optimizer_seconds,
+)
+from trainer.plan.layout import Geometry
+from trainer.plan.profile import HardwareProfile
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What the training loop runs concurrently with compute. The defaults are tessera's trainer
+    (FSDP2: per-block gradient reductions during backward; TP collectives synchronous); a published
+    run from another framework states its own (Megatron-LM 2021 all-reduced gradients after backward)."""
+
+    grads_in_backward: bool = True  # else the whole gradient sync follows the last backward, exposed
+    async_tp: bool = False  # TP collectives hidden behind the block's matmuls (torchtitan's async TP)
+
+
+class StepTime(BaseModel):
+    """Where one optimizer step's seconds go, on the slowest chip. The parts sum to ``total_s``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    compute_s: float  # forward + backward (+ recompute) of every micro-batch on the slowest stage
+    recompute_s: float  # the part of compute_s activation checkpointing adds
+    exposed_comm_s: dict[str, float]  # per mesh dimension: what compute does not hide
+    bubble_s: float
+    optimizer_s: float
+    total_s: float
+
+
+def stage_seconds(geo: Geometry, hw: HardwareProfile, block: BlockSeconds) -> list[float]:
+    """One micro-batch's compute on each pipeline stage (first: + embedding, last: + head and loss)."""
+    blocks = geo.layers_per_stage * (block.forward + block.backward + block.recompute)
+    embedding, head = embedding_seconds(geo, hw), head_seconds(geo, hw)
+    if geo.parallel.pp == 1:
+        return [blocks + embedding + head]
+    return [blocks + embedding] + [blocks] * (geo.parallel.pp - 2) + [blocks + head]
+
+
+def fsdp_exposed(
+    geo: Geometry, hw: HardwareProfile, block: BlockSeconds, comms: LayerComms, overlap: Overlap
+) -> tuple[float, float]:
+    """(dp_shard, dp_replicate) seconds per gradient sync that the blocks' compute does not hide.
+
+    Nothing hides on CPU: gloo's collectives are copies on the same cores the compute saturates.
+    """
+    layers, gather = geo.layers_per_stage, comms.fsdp_gather
+    reduce = comms.fsdp_reduce + comms.replicate_reduce
+    overlaps = not hw.host_bound
+    forward = gather + (layers - 1) * max(0.0, gather - block.forward * overlaps)
+    backward_comm = (gather if gathers_per_sync(geo) == 2 else 0.0) + reduce
+    hidden = block.backward + block.recompute if overlap.grads_in_backward and overlaps else 0.0
+    backward = reduce + (layers - 1) * max(0.0, backward_comm - hidden)
+    replicate_share = comms.replicate_reduce / backward_comm if backward_comm else 0.0
+    return forward + backward * (1 - replicate_share), backward * replicate_share
+
+
+def root_exposed(geo: Geometry, placement: dict[str, DimPlacement]) -> tuple[float, float, float]:
+    """(gather per step, reduce-scatter per sync, all-reduce per sync) of FSDP's root unit: exposed,
+    since the embedding's gather starts the step and the head's reduction ends it."""
+    shard, rep = placement["dp_shard"], placement["dp_replicate"]
+    root = geo.root_params_tp
+    return (
+        collective_seconds("all_gather", root * geo.compute_bytes, shard.degree, link_of(shard)),
+        collective_seconds("reduce_scatter", root * FP32, shard.degree, link_of(shard)),
+        collective_seconds("all_reduce", root * FP32 / shard.degree, rep.degree, link_of(rep)),
+    )
+
+
+def tp_exposed(geo: Geometry, block: BlockSeconds, comms: LayerComms, overlap: Overlap) -> float:
+    """One micro-batch's TP collectives on the critical path: all of them, or with async TP only what
+    outlasts the blocks' compute (the collectives are decomposed and pipelined with the matmuls)."""
+    tp = comms.tp_forward + comms.tp_backward
+    if overlap.async_tp:
+        tp = max(0.0, tp - block.forward - block.backward - block.recompute)
+    return geo.layers_per_stage * tp
+
+
+def step_time(
+    geo: Geometry, hw: HardwareProfile, placement: list[DimPlacement], overlap: Overlap | None = None
+) -> StepTime:
+    """The step's parts on the slowest chip, by the overlap rules of the module docstring."""
+    overlap = overlap or Overlap()
+    by_dim = {p.dim: p for p in placement}
+    block, comms = block_seconds(geo, hw), layer_comms(geo, by_dim)
+    m, v = geo.microbatches, geo.parallel.pp_virtual_stages
+    syncs = gradient_syncs(geo) if overlap.grads_in_backward else 1  # else one sync after the last backward
+    stages = stage_seconds(geo, hw, block)
+    tp = tp_exposed(geo, block, comms, overlap)
+    pp = 2 * v * comms.pp_send if geo.parallel.pp > 1 else 0.0
+    slowest = max(stages)
+    bubble = (sum(stages) - slowest + (len(stages) - 1) * (tp + pp)) / v
+    shard, replicate = fsdp_exposed(geo, hw, block, comms, overlap)
+    root_gather, root_reduce, root_all_reduce = root_exposed(geo, by_dim)
+    exposed = {
+        "tp": m * tp,
+        "dp_shard": syncs * (shard + root_reduce) + root_gather,
+        "dp_replicate": syncs * (replicate + root_all_reduce),
+        "pp": m * pp,
+    }
+    optimizer = optimizer_seconds(geo, hw)
+    return StepTime(
+        compute_s=m * slowest,
+        recompute_s=m * geo.layers_per_stage * block.recompute,
+        exposed_comm_s=exposed,
+        bubble_s=bubble,
+        optimizer_s=optimizer,
+        total_s=m * slowest + sum(exposed.values()) + bubble + optimizer,
+    )
