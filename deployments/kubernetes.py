@@ -35,6 +35,7 @@ from deployments.pools import base_job_template
 from deployments.run import Run
 from deployments.spec import TrainingSpec
 from trainer import storage
+from trainer.backends.chips import get_chip
 from trainer.failures import EXIT_USER_ERROR
 from trainer.launch import launch_env
 
@@ -60,6 +61,8 @@ DNS_LABEL_MAX = 63
 CHIP_RESOURCE = {"gpu": "nvidia.com/gpu", "tpu": "google.com/tpu", "trainium": "aws.amazon.com/neuron"}
 # The instance type whose node holds chips_per_node chips; pods are pinned to it, one pod per node.
 INSTANCE_TYPE = {
+    "v100-32gb": "p3dn.24xlarge",
+    "a100-40gb": "p4d.24xlarge",
     "a100-80gb": "p4de.24xlarge",
     "h100-sxm": "p5.48xlarge",
     "h200": "p5e.48xlarge",
@@ -68,8 +71,13 @@ INSTANCE_TYPE = {
     "trainium2": "trn2.48xlarge",
 }
 # GKE's node label values for TPU slices (cloud.google.com/gke-tpu-accelerator).
-TPU_ACCELERATOR = {"tpu-v5e": "tpu-v5-lite-podslice", "tpu-v5p": "tpu-v5p-slice", "tpu-v6e": "tpu-v6e-slice"}
-TPU_3D = {"tpu-v5p"}  # v5p slices are 3-D tori; v5e/v6e are 2-D
+TPU_ACCELERATOR = {
+    "tpu-v4": "tpu-v4-podslice",
+    "tpu-v5e": "tpu-v5-lite-podslice",
+    "tpu-v5p": "tpu-v5p-slice",
+    "tpu-v6e": "tpu-v6e-slice",
+}
+TPU_3D = {"tpu-v4", "tpu-v5p"}  # v4 and v5p slices are 3-D tori; v5e/v6e are 2-D
 
 # The Job's pod failure policy turns a pod's exit into a Job failure whose message the JobSet's
 # failure policy matches (the Job controller writes "Container trainer for pod NS/NAME failed with exit
@@ -162,6 +170,12 @@ def placement(spec: TrainingSpec, defaults: dict[str, Any]) -> dict[str, Any]:
     """Node selector and resources for one pod of this spec, on top of the template's defaults."""
     cluster = spec.cluster
     selector = dict(defaults["node_selector"])
+    nodes = TPU_ACCELERATOR if cluster.accelerator == "tpu" else INSTANCE_TYPE
+    if cluster.chip not in nodes:  # planned from the catalog, but no cloud node type known to carry it
+        raise ManifestError(
+            f"cluster.chip={cluster.chip} has no known Kubernetes node type to place pods on; use one of "
+            f"{', '.join(c for c in nodes if get_chip(c).accelerator == cluster.accelerator)}"
+        )
     if cluster.accelerator == "tpu":
         selector["cloud.google.com/gke-tpu-accelerator"] = TPU_ACCELERATOR[cluster.chip]
         selector["cloud.google.com/gke-tpu-topology"] = tpu_topology(cluster.chip, cluster.world_size)

@@ -46,7 +46,8 @@ from trainer.agents import agent_workers, kill_agent, start_agent
 from trainer.checkpoint import CheckpointStoreError, list_checkpoints
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
-from trainer.data.shards import TOKENS_EXT, decode_shard
+from trainer.data.fetch import decode_shard
+from trainer.data.shards import TOKENS_EXT
 from trainer.failures import EXIT_HANG, EXIT_INFRA, UserError, classify_exit, is_infra_error
 from trainer.launch import launch_env, torchrun_command
 from trainer.metrics import MetricsWriter, read_metrics

@@ -31,7 +31,7 @@ from deployments.kubernetes import (
 from deployments.pools import POOLS, base_job_template
 from deployments.register import PREFECT_YAML, REPO_ROOT, render_prefect_yaml
 from deployments.run import Run
-from deployments.spec import SPEC_DIR, load_spec, parse_spec
+from deployments.spec import SPEC_DIR, load_spec, parse_spec, read_yaml
 from tests.crd_schemas import crd_errors
 from trainer.failures import EXIT_HANG, EXIT_INFRA, EXIT_USER_ERROR
 from trainer.launch import LaunchResult
@@ -304,3 +304,14 @@ def test_render_command_writes_valid_manifests_and_refuses_cpu_specs(tmp_path: P
     cpu = tessera("render", "deployments/specs/local-cpu.yaml", "--out", str(tmp_path))
     assert cpu.returncode == 1 and "cluster.accelerator=cpu runs on this host" in cpu.stderr
     assert "Traceback" not in cpu.stderr
+
+
+def test_a_chip_without_a_known_node_type_is_refused_naming_it(tmp_path: Path) -> None:
+    data = read_yaml((SPEC_DIR / "gpu-llama3-8b-h100.yaml").read_text())
+    data["cluster"]["chip"] = "h100-nvl"  # in the planner's catalog, but on no cloud node type we know
+    spec = parse_spec(data)
+    run = Run.open(spec, RunDir(tmp_path / f"{spec.name}-{RUN_TOKEN}"), data_url=DATA_URL)
+    with pytest.raises(
+        ManifestError, match=r"cluster.chip=h100-nvl has no known Kubernetes node type.*h100-sxm"
+    ):
+        render_manifests(run)
