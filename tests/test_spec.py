@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,50 @@ def test_set_overrides_merge_into_a_spec_and_bad_ones_name_themselves() -> None:
         apply_overrides(deployed, ["train.steps"])
     with pytest.raises(SpecError, match="name is not a section of the spec"):
         apply_overrides(deployed, ["name.first=x"])
+
+
+@pytest.mark.parametrize(
+    ("location", "refusal"),
+    [
+        ("", "is empty"),
+        ("/", "is the filesystem root"),
+        ("../elsewhere", "leaves the working directory"),
+        ("data/../../elsewhere", "leaves the working directory"),
+        ("s3://", "names no bucket or path"),
+    ],
+)
+def test_output_locations_are_confined_and_named(location: str, refusal: str) -> None:
+    for field, patch in (
+        ("data.output_url", {"data": {"output_url": location}}),
+        ("checkpoint.url", {"checkpoint": {"url": location}}),
+    ):
+        with pytest.raises(SpecError, match=rf"\n{re.escape(field)}: .*{refusal}"):
+            parse_spec(patch)
+
+
+def test_output_locations_are_normalised() -> None:
+    spec = parse_spec({"data": {"output_url": "data/./shards/"}, "checkpoint": {"url": "/abs//ckpt/"}})
+    assert (spec.data.output_url, spec.checkpoint.url) == ("data/shards", "/abs/ckpt")
+    assert parse_spec({"data": {"output_url": "s3://bucket/prefix"}}).data.output_url == "s3://bucket/prefix"
+
+
+def test_spec_files_that_would_hang_or_blow_up_are_refused_in_one_line(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # reading it would block forever
+    big = tmp_path / "big.yaml"
+    big.write_text("name: x\n" + "# padding\n" * 200_000)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: " + "[" * 5000 + "]" * 5000 + "\n")
+    cases = {
+        fifo: "is not a regular file",
+        big: "bytes, over 1,048,576",
+        latin1: "is not UTF-8 text",
+        deep: "nests too deeply",
+        tmp_path / "missing.yaml": "cannot read spec",
+    }
+    for path, refusal in cases.items():
+        with pytest.raises(SpecError, match=refusal) as error:
+            load_spec(path)
+        assert "\n" not in str(error.value)

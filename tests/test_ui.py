@@ -126,6 +126,7 @@ def task_runs_by_name(client: SyncPrefectClient, flow_run_id: Any) -> dict[str, 
             n
             for n in (
                 "prepare-dataset",
+                "open-run",
                 "plan",
                 "provision",
                 "train",

@@ -285,7 +285,7 @@ class CorpusConfig(Strict):
     )
     format: Literal["auto", "text", "jsonl", "parquet"] = Field("auto", description="Input file format.")
     text_field: str = Field("text", description="Column holding the text (JSONL/Parquet).")
-    max_documents: int | None = Field(None, ge=1, description="Use at most N documents (quick runs).")
+    max_documents: PositiveInt | None = Field(None, description="Use at most N documents (quick runs).")
 
     @field_validator("paths")
     @classmethod
@@ -359,17 +359,25 @@ class DataConfig(CorpusConfig):
         "on a deterministic sample (the first tokenizer_sample_mb of each source).",
     )
     tokenizer_sample_mb: float = Field(
-        64, gt=0, description="Text the tokenizer trains on, in MB, split evenly over the sources."
+        64,
+        gt=0,
+        le=1 << 20,
+        description="Text the tokenizer trains on, in MB, split evenly over the sources.",
     )
-    output_url: str = Field("data", description="Where shards + manifest go: local path, gs:// or s3://.")
+    output_url: OutputLocation = Field(
+        "data", description="Where shards + manifest go: local path, gs:// or s3://. " + OUTPUT_RULE
+    )
     validation_fraction: float = Field(0.05, ge=0, lt=1, description="Documents held out for eval, by seed.")
-    samples_per_shard: int = Field(1024, ge=1, description="Packed samples per webdataset tar shard.")
+    samples_per_shard: PositiveInt = Field(1024, description="Packed samples per webdataset tar shard.")
     dedup: bool = Field(False, description="Drop exact duplicate documents (first occurrence kept).")
-    min_chars: int = Field(0, ge=0, description="Drop documents shorter than this many characters.")
-    max_chars: int | None = Field(None, ge=1, description="Drop documents longer than this many characters.")
+    min_chars: Count = Field(0, description="Drop documents shorter than this many characters.")
+    max_chars: PositiveInt | None = Field(
+        None, description="Drop documents longer than this many characters."
+    )
     num_proc: int = Field(
         1,
         ge=1,
+        le=256,
         description="Processes preparing parts: 1 prepares in the flow's process, more start a Dask "
         "LocalCluster of that many single-threaded workers.",
     )
@@ -378,7 +386,9 @@ class DataConfig(CorpusConfig):
         description="A running Dask scheduler (tcp://host:8786) to prepare on instead; num_proc is then "
         "ignored.",
     )
-    loader_workers: int = Field(1, ge=0, description="Data loader worker processes per rank.")
+    loader_workers: int = Field(
+        1, ge=0, le=64, description="Data loader worker processes per rank (at most 64)."
+    )
 
     @model_validator(mode="after")
     def _one_corpus_or_a_mixture(self) -> DataConfig:
