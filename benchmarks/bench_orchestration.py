@@ -55,14 +55,13 @@ def direct(spec: TrainingSpec) -> float:
     from trainer.data.loader import load_tokenizer, validation_batches
     from trainer.data.prepare import prepare_dataset
     from trainer.evaluate import evaluate_checkpoint
-    from trainer.launch import launch_env, run_agents
 
     start = time.perf_counter()
     data_url = prepare_dataset(spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
     run = Run.open(spec, data_url=data_url)
     job = run.job
     assert job.checkpoint.url is not None and run.plan.fits
-    assert run_agents([run.torchrun_command()], launch_env(job), run.dir).kind == "ok"
+    assert run.launch_local().kind == "ok"
     tokenizer = load_tokenizer(data_url)
     for manifest in list_checkpoints(job.checkpoint.url):
         assert validate_checkpoint(manifest.url, job).ok

@@ -28,7 +28,7 @@ from benchmarks.common import Goal, Headline, main
 from deployments.run import Run
 from deployments.spec import TrainingSpec
 from trainer.config import JobConfig
-from trainer.launch import launch_env, run_agents, torchrun_command
+from trainer.launch import launch_env, torchrun_command
 from trainer.metrics import read_metrics
 from trainer.rundir import RunDir
 
@@ -53,7 +53,7 @@ SPEC: dict[str, Any] = {
 
 def trainer_step_times(spec: dict[str, Any], run_dir: Path) -> list[float]:
     run = Run.open(TrainingSpec.model_validate(spec), RunDir(run_dir))
-    result = run_agents([run.torchrun_command()], launch_env(run.job), run.dir)
+    result = run.launch_local()
     if result.kind != "ok":
         raise RuntimeError(f"trainer run failed ({result.kind}):\n{result.log_tail}")
     return [line["step_time_s"] for line in read_metrics(run.dir.metrics)]

@@ -20,6 +20,7 @@ import json
 import re
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -30,7 +31,7 @@ from trainer import storage
 from trainer.config import JobConfig
 from trainer.failures import UserError
 from trainer.job import resolve_job
-from trainer.launch import torchrun_command
+from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
 from trainer.lease import Lease
 from trainer.plan import Plan, plan_for_job
 from trainer.rundir import RunDir, runs_root
@@ -164,6 +165,23 @@ class Run:
                 "writable directory or bucket"
             ) from None
         return lease
+
+    def launch_local(
+        self,
+        commands: list[list[str]] | None = None,
+        echo: Callable[[str], object] | None = None,
+        poll: Callable[[], None] = lambda: None,
+    ) -> LaunchResult:
+        """Run this run's torchrun agents on this host (default: one, as ``tessera train`` does) with
+        the backend's environment; an agent held stopped for ``faults.step_timeout_s`` is a hang."""
+        return run_agents(
+            commands or [self.torchrun_command()],
+            launch_env(self.job),
+            self.dir,
+            echo=echo,
+            poll=poll,
+            stopped_after_s=self.job.faults.step_timeout_s,
+        )
 
     def torchrun_command(
         self,

@@ -24,7 +24,6 @@ from tasks.attempts import publish, record_failure, summary
 from tasks.provision import LaunchTarget
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.failures import RETRYABLE, FailureKind, classify_exit, worker_exit_code
-from trainer.launch import launch_env, run_agents
 from trainer.metrics import mirror_of, read_metrics
 from trainer.storage import write_atomic
 
@@ -111,14 +110,8 @@ def run_kubernetes(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
 def run_local(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
     """The local agents, node 0's output streamed into the run logger; exit code and log tail."""
     logger = get_run_logger()
-    run = target.run
-    result = run_agents(
-        target.local_commands(),
-        launch_env(run.job),
-        run.dir,
-        echo=lambda line: logger.info(line.rstrip()),
-        poll=progress.update,
-        stopped_after_s=run.job.faults.step_timeout_s,
+    result = target.run.launch_local(
+        target.local_commands(), echo=lambda line: logger.info(line.rstrip()), poll=progress.update
     )
     return result.returncode, result.log_tail
 

@@ -159,7 +159,7 @@ def train(
     Example: tessera train deployments/specs/local-cpu.yaml --run-dir runs/manual
     """
     from deployments.run import Run
-    from trainer.launch import Stopped, launch_env, run_agents, stop_on_signals
+    from trainer.launch import Stopped, stop_on_signals
     from trainer.progress import StepProgress
     from trainer.rundir import RunDir
 
@@ -177,13 +177,7 @@ def train(
                 typer.secho(
                     "no --data: training on synthetic tokens (give a prepared manifest URL)", err=True
                 )
-            result = run_agents(
-                [run.torchrun_command()],
-                launch_env(run.job),
-                run.dir,
-                echo=sys.stdout.write,
-                stopped_after_s=loaded.faults.step_timeout_s,
-            )
+            result = run.launch_local(echo=sys.stdout.write)
     except Stopped as stop:  # the agents and their ranks are stopped, the lease released: not an error
         typer.secho(f"{stop}; training stopped, resume with the same --run-dir", err=True)
         raise typer.Exit(128 + stop.signum) from None

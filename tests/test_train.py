@@ -30,7 +30,7 @@ from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
 from trainer.config import JobConfig, OptimizerConfig
 from trainer.failures import EXIT_HANG, classify_exit, worker_exit_code
-from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
+from trainer.launch import LaunchResult, launch_env, torchrun_command
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.rundir import RunDir
@@ -65,7 +65,7 @@ def job_of(spec: dict[str, Any]) -> JobConfig:
 def launch(spec: dict[str, Any], run_dir: Path) -> LaunchResult:
     """What ``tessera train SPEC --run-dir RUN_DIR`` does, in this process."""
     run = Run.open(TrainingSpec.model_validate(spec), RunDir(run_dir))
-    return run_agents([run.torchrun_command()], launch_env(run.job), run.dir)
+    return run.launch_local()
 
 
 def tessera_train(spec: dict[str, Any], run_dir: Path, faults: dict[str, str]) -> tuple[int, str]:

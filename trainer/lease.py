@@ -69,6 +69,9 @@ class Lease:
         self._renewer: threading.Thread | None = None
         self.lost: str | None = None  # set when another launch took the lease from under us
 
+    def _is_mine(self, holder: dict[str, Any] | None) -> bool:
+        return holder is not None and {k: holder.get(k) for k in self.me} == self.me
+
     def _record(self) -> bytes:
         return json.dumps({**self.me, "expires": time.time() + self.ttl_s}).encode()
 
@@ -107,7 +110,7 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 holder = self.current()
-                if holder is not None and {k: holder.get(k) for k in self.me} != self.me:
+                if holder is not None and not self._is_mine(holder):
                     self.lost = (
                         f"run {holder.get('run_id')!r} (pid {holder.get('pid')} on {holder.get('host')})"
                     )
@@ -122,8 +125,7 @@ class Lease:
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
-        holder = self.current()
-        if holder is not None and {k: holder.get(k) for k in self.me} == self.me:
+        if self._is_mine(self.current()):
             storage.remove(self.url)
 
     def __enter__(self) -> Lease:
