@@ -150,8 +150,7 @@ def run_url(run: Run) -> str:
     A pod's own run directory dies with the pod, so the trainer mirrors its metrics there and the
     train task follows them from there. It must be an object store every pod and the orchestrator reach.
     """
-    url = run.job.checkpoint.url
-    assert url is not None, "Run resolves checkpoint.url"
+    url = run.checkpoint_url
     if "://" not in url:
         raise ValueError(
             f"checkpoint.url={url!r} is a local path, which pods on other machines cannot share; "

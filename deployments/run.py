@@ -99,6 +99,12 @@ class Run:
     def run_id(self) -> str:
         return self.dir.run_id
 
+    @property
+    def checkpoint_url(self) -> str:
+        """Where the run's checkpoints are: decided when the run was opened, so never unset here."""
+        assert self.job.checkpoint.url is not None, "a Run's job is resolved"
+        return self.job.checkpoint.url
+
     @cached_property
     def plan(self) -> Plan:
         return plan_for_job(self.job)
@@ -155,13 +161,12 @@ class Run:
         Also the pre-flight write check: a read-only location, or one that is a file, fails here in
         one line naming ``checkpoint.url``, before any step is trained and lost.
         """
-        assert self.job.checkpoint.url is not None
-        lease = Lease(self.job.checkpoint.url, self.run_id)
+        lease = Lease(self.checkpoint_url, self.run_id)
         try:
             lease.acquire()
         except storage.StoreError as error:
             raise UserError(
-                f"checkpoint.url={self.job.checkpoint.url!r} cannot be written ({error}); point it at a "
+                f"checkpoint.url={self.checkpoint_url!r} cannot be written ({error}); point it at a "
                 "writable directory or bucket"
             ) from None
         return lease

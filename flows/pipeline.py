@@ -56,13 +56,12 @@ def submit_evaluations(
     ``training``, the (possibly still running) train task that wrote the checkpoints, becomes
     validate's upstream in the run graph without being waited for.
     """
-    assert run.job.checkpoint.url is not None
     evaluations = []
-    for manifest in list_checkpoints(run.job.checkpoint.url):
+    for manifest in list_checkpoints(run.checkpoint_url):
         if manifest.step in skip or not manifest.good:
             continue
         skip.add(manifest.step)
-        pin_url = pin(run.job.checkpoint.url, manifest.step, run.run_id)
+        pin_url = pin(run.checkpoint_url, manifest.step, run.run_id)
         if training is None:
             validated = validate_checkpoint_task.submit(manifest.url, run.job)
         else:
@@ -125,9 +124,6 @@ def evaluate_checkpoints(spec: TrainingSpec) -> list[dict[str, Any]]:
     evaluations: list[Evaluation] = []
     for run_dir in Run.of_spec(spec.name):
         run = Run.load(run_dir)
-        assert run.job.checkpoint.url is not None
-        done = {
-            m.step for m in list_checkpoints(run.job.checkpoint.url) if run_dir.eval_record(m.step).exists()
-        }
+        done = {m.step for m in list_checkpoints(run.checkpoint_url) if run_dir.eval_record(m.step).exists()}
         evaluations += submit_evaluations(run, done)
     return completed(evaluations)[0]

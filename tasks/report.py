@@ -22,7 +22,6 @@ def report_markdown(
     missed: Sequence[str] = (),
 ) -> str:
     spec, plan, job = run.spec, run.plan, run.job
-    assert job.checkpoint.url is not None
     last = metrics[-1] if metrics else {}
     lines = [
         f"# {run.run_id}: {spec.model.preset} on {spec.cluster.world_size} × {spec.cluster.chip}",
@@ -44,7 +43,7 @@ def report_markdown(
         ),
         "| checkpoint | step | status |",
         "|---|---|---|",
-        *(f"| `{m.url}` | {m.step} | {m.status} |" for m in list_checkpoints(job.checkpoint.url)),
+        *(f"| `{m.url}` | {m.step} | {m.status} |" for m in list_checkpoints(run.checkpoint_url)),
         "",
         "| eval step | loss | perplexity | sample |",
         "|---|---|---|---|",

@@ -121,7 +121,6 @@ def train_task(target: LaunchTarget) -> str:
     """Train the run to ``train.steps``; return the URL of the final committed checkpoint."""
     run = target.run
     job = run.job
-    assert job.checkpoint.url is not None
     progress = Progress(
         mirror_of(run.dir.metrics, job.run_url) or run.dir.metrics,
         job.train.steps,
@@ -135,12 +134,12 @@ def train_task(target: LaunchTarget) -> str:
     kind = classify_exit(code, tail)
     if kind != "ok":
         exit_code = worker_exit_code(code, tail)
-        history = record_failure(run.dir, job.checkpoint.url, kind, exit_code)
+        history = record_failure(run.dir, run.checkpoint_url, kind, exit_code)
         publish(history, key=f"{job.name}-failures")
         raise TrainingFailed(kind, exit_code, tail, summary(history))
-    checkpoints = [m for m in list_checkpoints(job.checkpoint.url) if m.good]
+    checkpoints = [m for m in list_checkpoints(run.checkpoint_url) if m.good]
     if not checkpoints:
         raise TrainingFailed(
-            "user_error", 0, f"training exited 0 but left no checkpoint under {job.checkpoint.url}"
+            "user_error", 0, f"training exited 0 but left no checkpoint under {run.checkpoint_url}"
         )
     return checkpoints[-1].url
