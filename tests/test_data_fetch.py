@@ -67,6 +67,8 @@ def test_prefetch_retry_and_cache_under_latency(
     assert all(torch.equal(a, b) for a, b in zip(read(remote), want, strict=True))
     assert proxy.failures >= 1  # 503s were retried with backoff, not surfaced
     assert proxy.max_in_flight >= 2  # shards were fetched ahead, concurrently
+    # a closed loader leaves no download running that could still write (and evict) in the cache
+    assert not [t for t in threading.enumerate() if t.name.startswith("shard-prefetch")]
     cached = list(cache.glob("*.tar"))
     assert 0 < len(cached) <= 4 and sum(p.stat().st_size for p in cached) <= 4 * shard
 

@@ -100,9 +100,24 @@ def page(ui: tuple[str, Path]) -> Iterator[Any]:
     with playwright.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.failed_requests = []  # what the UI's failed API calls said, for a failed submit's message
+            page.on("response", lambda r: r.status >= 400 and page.failed_requests.append(describe(r)))
+            page.on(
+                "console", lambda m: m.type == "error" and page.failed_requests.append(f"console: {m.text}")
+            )
+            yield page
         finally:
             browser.close()
+
+
+def describe(response: Any) -> str:
+    """A failed API call as one line: method, URL, status and the start of the body."""
+    try:
+        body = response.text()[:500]
+    except playwright.Error as error:
+        body = f"(body unreadable: {error})"
+    return f"{response.request.method} {response.url} -> {response.status}: {body}"
 
 
 def form_field(page: Any, label: str) -> Any:
@@ -196,7 +211,12 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
         name.fill("ui-run")
         page.screenshot(path=tmp_path / "before-submit.png", full_page=True)  # to diagnose a failed submit
         page.get_by_role("button", name="Submit").click()
-        page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]{36}(\?.*)?$"))  # back to its runs
+        try:
+            page.wait_for_url(
+                re.compile(r".*/deployments/deployment/[0-9a-f-]{36}(\?.*)?$")
+            )  # back to its runs
+        except playwright.TimeoutError:
+            pytest.fail("the form did not submit; the UI's failed calls:\n" + "\n".join(page.failed_requests))
         (submitted,) = client.read_flow_runs(
             deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
         )

@@ -126,6 +126,17 @@ class ShardReader:
                 self._held[i] = self._pool.submit(self._fetch, self.shards[i])
         return self._held[index].result()
 
+    def close(self) -> None:
+        """Drop the held shards and stop the fetch threads, waiting for downloads already under way.
+
+        A download left running would outlive its loader and could still write into the cache,
+        evicting under this reader's size bound what a newer reader has just cached.
+        """
+        self._held.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
     def __getstate__(self) -> dict[str, object]:
         """Pickled into loader worker processes without threads or shards: each worker fetches its own."""
         return {**self.__dict__, "_held": OrderedDict(), "_pool": None}

@@ -120,8 +120,9 @@ class StepLoader:
         return dict(state.get("source_samples", {}))  # type: ignore[call-overload]
 
     def close(self) -> None:
-        """Stop the worker processes (they restart from the current position on the next ``next``)."""
+        """Stop the worker processes and shard downloads (they restart from here on the next ``next``)."""
         self._iterator = None
+        self.source.close()
 
 
 def build_loader(job: JobConfig, dp_rank: int, dp_size: int) -> StepLoader:

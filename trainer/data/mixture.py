@@ -142,6 +142,10 @@ class MixtureSamples:
         counts = self.counts_at(sample)
         return {"source_samples": {name: int(n) for name, n in zip(self.names, counts, strict=True)}}
 
+    def close(self) -> None:
+        for source in self.sources:
+            source.close()
+
     def resume(self, sample: int, state: Mapping[str, object]) -> None:
         """Continue from global sample ``sample`` with each source at its saved counter."""
         saved = state.get("source_samples")

@@ -34,6 +34,9 @@ class SampleSource(Protocol):
     def resume(self, sample: int, state: Mapping[str, object]) -> None:
         """Continue at global sample ``sample`` from a saved ``state_at(sample)``."""
 
+    def close(self) -> None:
+        """Stop background reads (the source stays usable: they restart on the next ``rows``)."""
+
 
 class ShardedSamples:
     """The train split of a prepared dataset in the seeded global order (see the module docstring)."""
@@ -67,6 +70,9 @@ class ShardedSamples:
 
     def resume(self, sample: int, state: Mapping[str, object]) -> None:
         """Nothing to restore: the order is a function of the sample index alone."""
+
+    def close(self) -> None:
+        self.reader.close()
 
     def _upcoming(self, epoch: int, slot: int) -> list[int]:
         """The shards read after slot ``slot`` of ``epoch``, into the next epoch: what to fetch ahead."""

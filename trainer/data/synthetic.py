@@ -29,6 +29,9 @@ class SyntheticSamples:
     def resume(self, sample: int, state: Mapping[str, object]) -> None:
         """Nothing to restore: sample ``i`` depends on ``(seed, i)`` alone."""
 
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
     def rows(self, start: int, count: int) -> np.ndarray:
         positions = np.arange(self.sample_len, dtype=np.int64)
         out = np.empty((count, self.sample_len), dtype=np.int64)
