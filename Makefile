@@ -79,16 +79,21 @@ faults: $(STAMP)
 	  $(BIN)/python -m benchmarks.faults_report $(FAULT_ROWS) && exit $$rc
 
 # A local Prefect server with its UI on 127.0.0.1:4200, the work pools and every deployment of
-# prefect.yaml registered, and a worker for tessera-cpu in the foreground; Ctrl-C stops both.
-UI_API := http://127.0.0.1:4200/api
+# prefect.yaml registered, and a worker for tessera-cpu (UI_PORT=N for another port); one Ctrl-C stops both.
+UI_PORT ?= 4200
+UI_API := http://127.0.0.1:$(UI_PORT)/api
+# One Ctrl-C stops both. Prefect's worker only begins a graceful shutdown on its first interrupt (and
+# stays up) and kills itself on its second: the shell's trap sends it that second one, then stops the server.
 ui: $(STAMP)
-	PREFECT_UI_ENABLED=true $(BIN)/prefect server start --host 127.0.0.1 --port 4200 & server=$$!; \
-	  trap 'kill $$server' EXIT INT TERM; \
+	PREFECT_UI_ENABLED=true $(BIN)/prefect server start --host 127.0.0.1 --port $(UI_PORT) & server=$$!; worker=; \
+	  stop() { [ -z "$$worker" ] || { kill -INT $$worker; sleep 1; kill -INT $$worker; wait $$worker; }; \
+	    kill $$server; wait $$server; }; \
+	  trap 'stop 2>/dev/null' EXIT; trap 'exit 0' INT TERM; \
 	  until $(BIN)/python -c "import urllib.request; urllib.request.urlopen('$(UI_API)/health')" 2>/dev/null; \
 	    do sleep 1; done; \
 	  export PREFECT_API_URL=$(UI_API); \
-	  $(BIN)/tessera deploy --no-write && echo "UI: http://127.0.0.1:4200" && \
-	  $(BIN)/prefect worker start --pool tessera-cpu --type process
+	  $(BIN)/tessera deploy --no-write && echo "UI: http://127.0.0.1:$(UI_PORT)" && \
+	  { $(BIN)/prefect worker start --pool tessera-cpu --type process & worker=$$!; wait $$worker; }
 
 clean:
 	rm -rf runs data .pytest_cache

@@ -133,6 +133,10 @@ def main() -> None:
     args = parser.parse_args()
     chosen = [] if args.summary_only else parse_only(args.only)
     walls = {area: run_benchmark(area) for area in chosen}
+    if not any(results_path(area).exists() for area in areas()):  # a fresh clone: results are not committed
+        raise SystemExit(
+            f"no benchmark results in {RESULTS_DIR} yet; run `python -m benchmarks` (or --only AREA) first"
+        )
     summary = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),

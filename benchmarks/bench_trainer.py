@@ -31,9 +31,12 @@ from trainer.config import JobConfig
 from trainer.launch import launch_env, torchrun_command
 from trainer.metrics import read_metrics
 from trainer.rundir import RunDir
+from trainer.train import PhaseClock
 
 STEPS, WARMUP = 12, 3  # the first steps pay for allocator growth and lazy init on both sides
 NPROC = 2
+PHASES = ("data", "telemetry", "forward_backward", "clip", "optimizer")  # the trainer's PhaseClock laps
+TIMES = ("step_time_s", *(f"{phase}_s" for phase in PHASES))
 HEADLINE = Headline(
     ratio="ratio_dp_replicate_vs_ddp",
     baseline="hand-written torch DDP loop (tokens/s)",
@@ -51,15 +54,16 @@ SPEC: dict[str, Any] = {
 }
 
 
-def trainer_step_times(spec: dict[str, Any], run_dir: Path) -> list[float]:
+def trainer_steps(spec: dict[str, Any], run_dir: Path) -> list[dict[str, float]]:
+    """Each step's time and its phases (the trainer's metrics lines)."""
     run = Run.open(TrainingSpec.model_validate(spec), RunDir(run_dir))
     result = run.launch_local()
     if result.kind != "ok":
         raise RuntimeError(f"trainer run failed ({result.kind}):\n{result.log_tail}")
-    return [line["step_time_s"] for line in read_metrics(run.dir.metrics)]
+    return [{key: line[key] for key in TIMES} for line in read_metrics(run.dir.metrics)]
 
 
-def ddp_step_times(job: JobConfig, work_dir: Path) -> list[float]:
+def ddp_steps(job: JobConfig, work_dir: Path) -> list[dict[str, float]]:
     job_json, out = work_dir / "ddp-job.json", work_dir / "ddp-times.json"
     job_json.write_text(job.model_dump_json())
     cmd = torchrun_command(
@@ -98,10 +102,13 @@ def ddp_worker(job_json: Path, out: Path) -> None:
     samples = SyntheticSamples(job.seed, job.model.vocab_size, job.train.seq_len + 1)
     local = job.train.global_batch_size // world
     n_micro = local // job.train.micro_batch_size
-    times = []
+    steps = []
     for step in range(job.train.steps):
         began = time.perf_counter()
+        clock = PhaseClock(began)
         inputs, targets = to_batch(samples.rows(step * job.train.global_batch_size + rank * local, local))
+        clock.lap("data")
+        clock.lap("telemetry")  # the baseline logs nothing
         total = torch.zeros(())
         for i, (x, y) in enumerate(zip(inputs.chunk(n_micro), targets.chunk(n_micro), strict=True)):
             with ddp.no_sync() if i < n_micro - 1 else nullcontext():  # all-reduce once per step
@@ -110,17 +117,31 @@ def ddp_worker(job_json: Path, out: Path) -> None:
             total += loss.detach()
         dist.all_reduce(total)
         total.item()
+        clock.lap("forward_backward")
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), opt.grad_clip)
+        clock.lap("clip")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - began)
+        clock.lap("optimizer")
+        steps.append({"step_time_s": time.perf_counter() - began, **clock.seconds})
     if rank == 0:
-        out.write_text(json.dumps(times))
+        out.write_text(json.dumps(steps))
     dist.destroy_process_group()
 
 
-def throughput(step_times: list[float], tokens_per_step: int) -> float:
-    return tokens_per_step / statistics.median(step_times[WARMUP:])
+def medians(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds after warm-up of the step and of each phase."""
+    return {key: statistics.median(step[key] for step in steps[WARMUP:]) for key in TIMES}
+
+
+def breakdown(sides: dict[str, dict[str, float]]) -> str:
+    """Milliseconds per phase, one column per side: a regression shows in the phase that grew."""
+    lines = [f"{'phase':<20}" + "".join(f"{side:>24}" for side in sides)]
+    for key in TIMES:
+        lines.append(
+            f"{key.removesuffix('_s'):<20}" + "".join(f"{t[key] * 1e3:>21.1f} ms" for t in sides.values())
+        )
+    return "\n".join(lines)
 
 
 def run() -> dict[str, Any]:
@@ -130,9 +151,13 @@ def run() -> dict[str, Any]:
     tokens_per_step = fsdp.train.global_batch_size * fsdp.train.seq_len
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
         work = Path(tmp)
-        trainer_fsdp = throughput(trainer_step_times(SPEC, work / "fsdp"), tokens_per_step)
-        trainer_replicated = throughput(trainer_step_times(replicated, work / "replicated"), tokens_per_step)
-        ddp = throughput(ddp_step_times(fsdp, work), tokens_per_step)
+        sides = {
+            "ddp": medians(ddp_steps(fsdp, work)),
+            "trainer_dp_replicate": medians(trainer_steps(replicated, work / "replicated")),
+            "trainer_dp_shard": medians(trainer_steps(SPEC, work / "fsdp")),
+        }
+    print(breakdown(sides))
+    ddp, trainer_replicated, trainer_fsdp = (tokens_per_step / sides[s]["step_time_s"] for s in sides)
     result = {
         "model": "small",
         "processes": NPROC,
@@ -145,6 +170,9 @@ def run() -> dict[str, Any]:
         "trainer_dp_shard_tokens_per_s": round(trainer_fsdp, 1),
         "ratio_dp_replicate_vs_ddp": round(trainer_replicated / ddp, 3),
         "ratio_dp_shard_vs_ddp": round(trainer_fsdp / ddp, 3),
+        "phase_median_ms": {
+            side: {k.removesuffix("_s"): round(v * 1e3, 2) for k, v in t.items()} for side, t in sides.items()
+        },
         "goal_ratio": 0.97,
     }
     return result

@@ -92,6 +92,15 @@ POD_FAILURE_POLICY = {
         {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
     ]
 }
+# The evaluation Job: a user error fails it at once; an eviction is retried without counting.
+EVAL_POD_FAILURE_POLICY = {
+    "rules": [
+        POD_FAILURE_POLICY["rules"][0],
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]
+}
+# A bound on a hung evaluation, not a budget: a 70B model's forward on a host CPU takes minutes a batch.
+EVAL_DEADLINE_S = 6 * 3600
 JOBSET_FAILURE_RULES = [
     {  # retrying would fail the same way: no restart, whatever the budget
         "name": "UserError",
@@ -187,13 +196,16 @@ def placement(spec: TrainingSpec, defaults: dict[str, Any]) -> dict[str, Any]:
     return {"node_selector": selector, "resources": resources}
 
 
+def backend_env(run: Run) -> list[dict[str, Any]]:
+    """The backend's launch variables as a container's environment."""
+    return [{"name": k, "value": v} for k, v in sorted(launch_env(run.job, base={}).items())]
+
+
 def pod_env(run: Run) -> list[dict[str, Any]]:
     """The trainer container's environment: the backend's launch variables, the pod's node rank from
     its completion index, and for TPU the slice's worker host names, which TorchTPU's launcher reads
     with the completion index to address every chip of the slice."""
-    env: list[dict[str, Any]] = [
-        {"name": k, "value": v} for k, v in sorted(launch_env(run.job, base={}).items())
-    ]
+    env = backend_env(run)
     env.append({"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}})
     if run.spec.cluster.accelerator == "tpu":
         env += [
@@ -231,11 +243,7 @@ def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
     """The JobSet: the pool's base job template filled from the spec as its one replicated Job."""
     spec = run.spec
     template = base_job_template(spec.cluster.accelerator)
-    defaults = {
-        k: v["default"]
-        for k, v in template["variables"]["properties"].items()
-        if v.get("default") is not None
-    }
+    defaults = _pool_defaults(template)
     torchrun = run.torchrun_command(
         node_rank=0,
         rdzv_endpoint=f"{pod_hostnames(run)[0]}:{RDZV_PORT}",
@@ -271,6 +279,15 @@ def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
     )
     _shape_pod(job_spec["template"], name, labels, spec.cluster.credentials_secret)
     return _jobset(run, name, labels, job_spec, defaults)
+
+
+def _pool_defaults(template: Manifest) -> dict[str, Any]:
+    """The pool template's variables that have a default."""
+    return {
+        k: v["default"]
+        for k, v in template["variables"]["properties"].items()
+        if v.get("default") is not None
+    }
 
 
 def _shape_pod(pod: Manifest, name: str, labels: dict[str, str], credentials_secret: str | None) -> None:
@@ -324,6 +341,66 @@ def _jobset(
             ],
         },
     }
+
+
+def eval_record_url(run: Run, step: int) -> str:
+    """Where the evaluation Job writes its record: under the run URL, which the flow reads too."""
+    return storage.join(run_url(run), "evals", f"step-{step:06d}.json")
+
+
+def render_eval_manifests(run: Run, step: int, step_url: str) -> list[Manifest]:
+    """ConfigMap (job.json) + a one-pod Job that evaluates ``step_url`` on one node of the training
+    pool, for a model the orchestrator pod cannot hold (``deployments/eval_placement.py``): the training
+    pod's image, node selector, resources and credentials, running ``python -m trainer.evaluate``."""
+    spec = run.spec
+    name = f"{jobset_name(run)}-eval-{step}"  # fixed per checkpoint: a retried task replaces its own Job
+    labels = {
+        "app.kubernetes.io/name": "tessera",
+        "app.kubernetes.io/instance": name,
+        "tessera/run": run.run_id,
+        "tessera/spec": spec.name,
+    }
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-job", "namespace": spec.cluster.namespace, "labels": dict(labels)},
+        "data": {"job.json": run.job.model_dump_json(indent=2)},
+    }
+    template = base_job_template(spec.cluster.accelerator)
+    defaults = _pool_defaults(template)
+    evaluate = [
+        *("python", "-m", "trainer.evaluate", "--job", f"{JOB_DIR}/job.json", "--step-url", step_url),
+        *(f"--batches={spec.eval.batches}", f"--sample-tokens={spec.eval.sample_tokens}"),
+        # Kubernetes expands $(VAR) in args; $$ is its escape for a literal $.
+        *("--sample-prompt", spec.eval.sample_prompt.replace("$", "$$")),
+        *("--out", eval_record_url(run, step)),
+    ]
+    values = {
+        **defaults,
+        **placement(spec, defaults),
+        "name": name,
+        "namespace": spec.cluster.namespace,
+        "labels": labels,
+        "image": spec.cluster.image,
+        **({"service_account_name": spec.cluster.service_account} if spec.cluster.service_account else {}),
+        "command": evaluate,
+        "env": backend_env(run),
+    }
+    job_spec = apply_values(template["job_configuration"]["job_manifest"], values)["spec"]
+    job_spec.update(
+        backoffLimit=1,  # one more try after a node failure; a user error fails at once (below)
+        activeDeadlineSeconds=EVAL_DEADLINE_S,
+        podFailurePolicy=copy.deepcopy(EVAL_POD_FAILURE_POLICY),
+    )
+    _shape_pod(job_spec["template"], name, labels, spec.cluster.credentials_secret)
+    del job_spec["template"]["spec"]["containers"][0]["ports"]  # no rendezvous: one process
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": spec.cluster.namespace, "labels": dict(labels)},
+        "spec": job_spec,
+    }
+    return [config_map, job]
 
 
 def kueue_queue(run: Run) -> list[Manifest]:
@@ -445,8 +522,14 @@ def api_client() -> Any:
     return client
 
 
+# Kinds sent as plain JSON through the generic group/version/plural API: the JobSet (a custom
+# resource), and the evaluation Job, whose typed client would refuse the integer quantities
+# ("nvidia.com/gpu": 8) the pool templates hold and the API server accepts.
+_PLAIN_KINDS = {"JobSet": (JOBSET_GROUP, JOBSET_API, "jobsets"), "Job": ("batch", "v1", "jobs")}
+
+
 class _Objects:
-    """Create, read and delete the two kinds tessera applies, by manifest."""
+    """Create, read and delete the kinds tessera applies (JobSet, Job, ConfigMap), by manifest."""
 
     def __init__(self, client: Any) -> None:
         self.client, self.core, self.custom = client, client.CoreV1Api(), client.CustomObjectsApi()
@@ -454,19 +537,17 @@ class _Objects:
     def create(self, manifest: Manifest) -> Manifest:
         """Create ``manifest``; the object as stored (with its uid)."""
         namespace = manifest["metadata"]["namespace"]
-        if manifest["kind"] == "JobSet":
-            return self.custom.create_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_API, namespace, "jobsets", manifest
-            )
+        if manifest["kind"] in _PLAIN_KINDS:
+            group, version, plural = _PLAIN_KINDS[manifest["kind"]]
+            return self.custom.create_namespaced_custom_object(group, version, namespace, plural, manifest)
         created = self.core.create_namespaced_config_map(namespace, manifest)
         return self.client.ApiClient().sanitize_for_serialization(created)
 
     def read(self, manifest: Manifest) -> Manifest:
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
-        if manifest["kind"] == "JobSet":
-            return self.custom.get_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_API, namespace, "jobsets", name
-            )
+        if manifest["kind"] in _PLAIN_KINDS:
+            group, version, plural = _PLAIN_KINDS[manifest["kind"]]
+            return self.custom.get_namespaced_custom_object(group, version, namespace, plural, name)
         found = self.core.read_namespaced_config_map(name, namespace)
         return self.client.ApiClient().sanitize_for_serialization(found)
 
@@ -474,10 +555,9 @@ class _Objects:
         name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
         # Foreground: the JobSet is gone only once its Jobs and pods are, so a new attempt cannot collide.
         options = self.client.V1DeleteOptions(propagation_policy="Foreground")
-        if manifest["kind"] == "JobSet":
-            self.custom.delete_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_API, namespace, "jobsets", name, body=options
-            )
+        if manifest["kind"] in _PLAIN_KINDS:
+            group, version, plural = _PLAIN_KINDS[manifest["kind"]]
+            self.custom.delete_namespaced_custom_object(group, version, namespace, plural, name, body=options)
         else:
             self.core.delete_namespaced_config_map(name, namespace, body=options)
 
@@ -525,13 +605,13 @@ def orchestrator_job(client: Any, namespace: str) -> Manifest | None:
 
 
 def apply_manifests(manifests: list[Manifest]) -> None:
-    """Create the JobSet (owned by the flow run's Job where there is one), then the objects it owns,
-    first removing leftovers of an earlier attempt (names are deterministic). The pods wait for the
-    ConfigMap's volume, so creating it second costs them nothing."""
+    """Create the JobSet, or the evaluation Job (owned by the flow run's Job where there is one), then
+    the objects it owns, first removing leftovers of an earlier attempt (names are deterministic). The
+    pods wait for the ConfigMap's volume, so creating it second costs them nothing."""
     client = api_client()
     objects = _Objects(client)
     delete_manifests(manifests)
-    jobset = next(m for m in manifests if m["kind"] == "JobSet")
+    jobset = next(m for m in manifests if m["kind"] in ("JobSet", "Job"))
     created = objects.create(with_owner(jobset, orchestrator_job(client, jobset["metadata"]["namespace"])))
     for manifest in manifests:
         if manifest is not jobset:
@@ -584,13 +664,32 @@ def jobset_status(jobset: Manifest) -> JobSetStatus:
         return JobSetStatus("succeeded", restarts)
     if not _condition(live, "Failed"):
         return JobSetStatus("running", restarts)
+    return JobSetStatus(
+        "failed", restarts, *_failed_pod(client, namespace, f"jobset.sigs.k8s.io/jobset-name={name}")
+    )
+
+
+def job_status(job: Manifest) -> JobSetStatus:
+    """Read a plain Job's status (the evaluation Job), in the same terms; it has no gang restarts."""
+    client = api_client()
+    live = _Objects(client).read(job)
+    if _condition(live, "Complete"):
+        return JobSetStatus("succeeded", 0)
+    if not _condition(live, "Failed"):
+        return JobSetStatus("running", 0)
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    return JobSetStatus("failed", 0, *_failed_pod(client, namespace, f"batch.kubernetes.io/job-name={name}"))
+
+
+def _failed_pod(client: Any, namespace: str, selector: str) -> tuple[int, str]:
+    """The exit code and log tail of the first pod matching ``selector`` that exited non-zero."""
     core = client.CoreV1Api()
-    pods = core.list_namespaced_pod(namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={name}").items
-    for pod in pods:
+    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
         statuses = pod.status.container_statuses or []
         terminated = statuses and statuses[0].state.terminated
         if terminated and terminated.exit_code:
-            tail = core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=200)
-            return JobSetStatus("failed", restarts, terminated.exit_code, tail)
+            return terminated.exit_code, core.read_namespaced_pod_log(
+                pod.metadata.name, namespace, tail_lines=200
+            )
     # No pod with an exit code: the pods went with their node (or were evicted and deleted).
-    return JobSetStatus("failed", restarts, 137, "pod lost (evicted or its node went away)")
+    return 137, "pod lost (evicted or its node went away)"

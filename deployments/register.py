@@ -15,12 +15,13 @@ from typing import Any
 import prefect
 import yaml
 from prefect import get_client
-from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+from prefect.client.schemas.actions import DeploymentUpdate, WorkPoolCreate, WorkPoolUpdate
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.settings import PREFECT_API_URL
 
 from deployments.pools import POOLS, base_job_template
 from deployments.spec import SPEC_DIR, load_spec, read_yaml
+from trainer.failures import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_YAML = REPO_ROOT / "prefect.yaml"
@@ -30,10 +31,15 @@ IMAGE_WORKDIR = "/opt/tessera"  # where the container images hold this repo
 NIGHTLY_SPEC = "local-cpu"
 EVAL_INTERVAL_S = 1800  # catch-up evaluation; the pipeline itself evaluates while training
 # The flow-run pod only orchestrates (the training job gets the chips): no accelerator, small.
+# deployments/eval_placement.py evaluates in it only models that fit in this memory.
+ORCHESTRATOR_MEMORY_GIB = 4
 ORCHESTRATOR_POD = {
     "node_selector": {},
     "tolerations": [],
-    "resources": {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
+    "resources": {
+        "requests": {"cpu": "1", "memory": f"{ORCHESTRATOR_MEMORY_GIB}Gi"},
+        "limits": {"memory": f"{ORCHESTRATOR_MEMORY_GIB}Gi"},
+    },
 }
 
 
@@ -94,10 +100,10 @@ def _deployment(
     return {**body, "parameters": {"spec": read_yaml(spec_file.read_text())}, "work_pool": pool, **extra}
 
 
-def prefect_yaml() -> dict[str, Any]:
+def prefect_yaml(spec_dir: Path = SPEC_DIR) -> dict[str, Any]:
     """The whole ``prefect.yaml``: per spec file, the pipeline and scheduled catch-up evaluation; plus nightly."""
     deployments = []
-    for spec_file in sorted(SPEC_DIR.glob("*.yaml")):
+    for spec_file in sorted(spec_dir.glob("*.yaml")):
         local = load_spec(spec_file).cluster.accelerator == "cpu"
         deployments.append(
             _deployment(spec_file.stem, PIPELINE, spec_file, f"Train {spec_file.name} end to end.")
@@ -115,7 +121,7 @@ def prefect_yaml() -> dict[str, Any]:
         _deployment(
             "nightly",
             PIPELINE,
-            SPEC_DIR / f"{NIGHTLY_SPEC}.yaml",
+            spec_dir / f"{NIGHTLY_SPEC}.yaml",
             "Nightly small-model run: the whole pipeline on CPU.",
             schedules=[{"cron": "0 3 * * *", "timezone": "UTC", "active": True}],
         )
@@ -136,17 +142,52 @@ class _PlainDumper(yaml.SafeDumper):
         return True
 
 
-def render_prefect_yaml() -> str:
+def render_prefect_yaml(spec_dir: Path = SPEC_DIR) -> str:
     header = "# Generated from deployments/specs/*.yaml by `python -m deployments.register`: edit the specs, not this.\n"
-    return header + yaml.dump(prefect_yaml(), Dumper=_PlainDumper, sort_keys=False, width=110)
+    return header + yaml.dump(prefect_yaml(spec_dir), Dumper=_PlainDumper, sort_keys=False, width=110)
 
 
-def deploy_all(names: list[str] | None = None) -> int:
-    """``prefect deploy`` from the repo root (every deployment, or the given flow/deployment names); its exit code."""
+def checkout(start: Path | None = None) -> Path:
+    """The tessera checkout ``tessera deploy`` deploys: the nearest directory at or above ``start`` (the
+    working directory) with a prefect.yaml and deployments/specs/, so it deploys the code you are in,
+    not an installed package's copy."""
+    here = (start or Path.cwd()).resolve()
+    for path in (here, *here.parents):
+        if (path / "prefect.yaml").is_file() and (path / "deployments" / "specs").is_dir():
+            return path
+    raise UserError(
+        f"no tessera checkout at or above {here} (a directory with prefect.yaml and deployments/specs/); "
+        "run tessera deploy inside your clone"
+    )
+
+
+def deploy_all(names: list[str] | None = None, root: Path = REPO_ROOT) -> int:
+    """``prefect deploy`` from the checkout ``root`` (every deployment, or the given flow/deployment
+    names); its exit code."""
     selection = ["--all"] if not names else [arg for name in names for arg in ("--name", name)]
     return subprocess.run(
-        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", *selection], cwd=REPO_ROOT
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", *selection], cwd=root
     ).returncode
+
+
+def seal_parameters() -> list[str]:
+    """Make every tessera deployment's parameter schema refuse unknown top-level parameters.
+
+    Prefect builds the schema from the flow's signature without ``additionalProperties: false``, so a
+    misspelt top-level parameter passes the server and then crashes the flow run in the worker
+    ("Process exited with status code: 1", the cause in the worker's log alone). Sealed, the server
+    refuses it when the run is created, naming the parameter. Returns the deployments sealed.
+    """
+    entrypoints = {d["entrypoint"] for d in prefect_yaml()["deployments"]}
+    sealed = []
+    with get_client(sync_client=True) as client:
+        for deployment in client.read_deployments():
+            if deployment.entrypoint not in entrypoints:
+                continue
+            schema = {**deployment.parameter_openapi_schema, "additionalProperties": False}
+            client.update_deployment(deployment.id, DeploymentUpdate(parameter_openapi_schema=schema))
+            sealed.append(deployment.name)
+    return sealed
 
 
 if __name__ == "__main__":

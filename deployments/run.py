@@ -28,6 +28,7 @@ from typing import Any
 
 from deployments.spec import SpecError, TrainingSpec
 from trainer import storage
+from trainer.compare import leaves
 from trainer.config import JobConfig
 from trainer.failures import UserError
 from trainer.job import resolve_job
@@ -43,6 +44,7 @@ TRAINING_NEUTRAL = (
     "eval",
     "faults",
     "train.log_every",
+    "train.step_line_every",
     "data.num_proc",
     "data.dask_address",
     "cluster.work_pool",
@@ -66,19 +68,13 @@ def new_run_id(name: str, token: str | None = None) -> str:
     return f"{name}-{(token or uuid.uuid4().hex).replace('-', '')[:8]}"
 
 
-def _leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _leaves(value, f"{prefix}{key}.").items()}
-    return {prefix.rstrip("."): tree}
-
-
 def _covered(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:
     return any(path == p or path.startswith(f"{p}.") for p in prefixes)
 
 
 def training_changes(earlier: dict[str, Any], spec: TrainingSpec) -> list[str]:
     """``field: old → new`` for each field that differs and could change the loss curve."""
-    old, new = _leaves(earlier), _leaves(spec.model_dump(mode="json"))
+    old, new = leaves(earlier), leaves(spec.model_dump(mode="json"))
     allowed = (*TRAINING_NEUTRAL, *spec.allow_changes)
     return [
         f"{path}: {old.get(path)!r} → {new.get(path)!r}"

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
+from deployments.form import form_rules
 from trainer.backends.chips import CHIPS, chips_for
 from trainer.config import (
     CheckpointConfig,
@@ -54,6 +55,11 @@ PATTERN_MEANING = {
 class ClusterSpec(HardwareConfig):
     """Where the job runs: hardware plus the Prefect work pool and container image."""
 
+    chip: str = Field(
+        "cpu",
+        description="Chip type from the catalog; it must be one of the accelerator's chips.",
+        json_schema_extra={"enum": list(CHIPS)},  # a choice in the form, not free text
+    )
     work_pool: str | None = Field(
         None, pattern=POOL_PATTERN, description="Prefect work pool; default tessera-ACCELERATOR."
     )
@@ -102,24 +108,32 @@ class EvalSpec(Strict):
 
 
 class TrainingSpec(Strict):
-    """A training deployment: model, data, layout, cluster, and the policies around them."""
+    """A training deployment: model, data, layout, cluster, and the policies around them.
+
+    Fields are in the order of the run form, read top-down: what people change on most runs (model,
+    length and batch, cluster, layout), then the data, then the policies, then run continuation.
+    """
+
+    model_config = ConfigDict(json_schema_extra=form_rules)
 
     name: str = Field("tiny-local", pattern=NAME_PATTERN, description="Run name (lowercase, digits, '-').")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Run length and batch geometry.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Hardware and work pool.")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="How the model is cut across the cluster's chips."
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer, shards.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW and LR schedule.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint policy.")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="Failure handling.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation and evaluation.")
     seed: int = Field(
         0,
         ge=0,
         le=2**63 - 1,
         description="Seed for init and data order: same seed, same loss curve.",
     )
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture.")
-    data: DataConfig = Field(default_factory=DataConfig, description="Corpus, tokenizer, shards.")
-    train: TrainConfig = Field(default_factory=TrainConfig, description="Batch geometry and length.")
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Parallel layout.")
-    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Hardware and work pool.")
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW and LR schedule.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint policy.")
-    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="Failure handling.")
-    eval: EvalSpec = Field(default_factory=EvalSpec, description="Validation and evaluation.")
     allow_oversubscribe: bool = Field(
         False, description="Launch even if the planner estimates the job does not fit in HBM."
     )

@@ -14,9 +14,10 @@ from typing import Any
 
 from prefect import flow
 from prefect.futures import PrefectFuture, wait
+from prefect.runtime import flow_run
 from prefect.states import Completed, State
 
-from deployments.run import Run
+from deployments.run import Run, new_run_id
 from deployments.spec import TrainingSpec
 from tasks.checkpoints import evaluate_task, validate_checkpoint_task
 from tasks.data import prepare_dataset_task
@@ -28,6 +29,7 @@ from tasks.run import open_run_task
 from tasks.train import retry_on_node_failure, train_task
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.checkpoint.pins import pin, unpin
+from trainer.compare import CONTINUED, FLOW_RUN_PREFIX
 
 EvalFuture = PrefectFuture[dict[str, Any] | None]
 
@@ -87,7 +89,17 @@ def completed(evaluations: list[Evaluation]) -> tuple[list[dict[str, Any]], list
     return sorted(results, key=lambda r: r["step"]), missed
 
 
-@flow(name="train-pipeline", flow_run_name="train-{spec.name}")
+def train_run_name() -> str:
+    """``train-<run id>``, the run this flow run opens, so every flow run has a name of its own and
+    ``tessera compare`` takes it; a continuation is ``train-<run id>-continued-<8 hex digits>``."""
+    spec = flow_run.parameters["spec"]
+    run_id = new_run_id(spec.name, flow_run.get_id())
+    if spec.resume_from:
+        return f"{FLOW_RUN_PREFIX}{spec.resume_from}{CONTINUED}{run_id.rsplit('-', 1)[1]}"
+    return FLOW_RUN_PREFIX + run_id
+
+
+@flow(name="train-pipeline", flow_run_name=train_run_name)
 def train_pipeline(spec: TrainingSpec) -> str | State[str]:
     """Train ``spec`` end to end as a new run (or the one ``spec.resume_from`` names); returns the final
     checkpoint URL."""

@@ -1,13 +1,15 @@
 """Checkpoint validation and evaluation tasks, run while training goes on and on a schedule.
 
-Each evaluation is stored in the run directory's ``evals/step-N.json`` (so the scheduled flow skips finished
-ones and the loss curve can be redrawn) and published as a table plus the train-vs-eval loss curve.
+Evaluation runs where ``deployments.eval_placement`` puts it: in this process, or as a Job on the
+training pool for a model the orchestrator pod cannot hold. Validation is streamed (bounded memory),
+so it always runs here. Each evaluation is stored in the run directory's ``evals/step-N.json`` (so
+the scheduled flow skips finished ones and the loss curve can be redrawn) and published as a table
+plus the train-vs-eval loss curve.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,14 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import task_run
 
+from deployments.eval_job import run_eval_job
+from deployments.eval_placement import eval_placement
 from deployments.run import Run
 from tasks.curves import inline_png, plot_loss_curve
 from trainer.checkpoint.pins import unpin
 from trainer.checkpoint.validate import ValidationResult, validate_checkpoint
 from trainer.config import JobConfig
-from trainer.data.loader import load_tokenizer, validation_batches
-from trainer.evaluate import evaluate_checkpoint
+from trainer.evaluate import evaluation_record
 from trainer.metrics import read_metrics
 from trainer.rundir import RunDir
 
@@ -59,29 +62,23 @@ def evaluate_task(validation: ValidationResult, run: Run, pin_url: str) -> dict[
 
 def _evaluate(validation: ValidationResult, run: Run) -> dict[str, Any]:
     job, spec = run.job, run.spec.eval
-    assert job.data_url is not None, "evaluation reads the prepared dataset's validation split"
-    tokenizer = load_tokenizer(job.data_url)
-    result = evaluate_checkpoint(
-        validation.step_url,
-        job,
-        validation_batches(job.data_url, job.train.micro_batch_size, spec.batches),
-        tokenizer.encode(spec.sample_prompt).ids,
-        spec.sample_tokens,
-    )
-    record = {
-        **asdict(result),
-        "sample": spec.sample_prompt + tokenizer.decode(result.sample_ids),
-        "url": validation.step_url,
-    }
-    path = run.dir.eval_record(result.step)
+    placement = eval_placement(run.spec)
+    get_run_logger().info("evaluating step %d %s", validation.step, placement.line)
+    if placement.where == "flow":
+        record = evaluation_record(
+            validation.step_url, job, spec.batches, spec.sample_prompt, spec.sample_tokens
+        )
+    else:
+        record = run_eval_job(run, validation.step, validation.step_url)
+    path = run.dir.eval_record(record["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     create_table_artifact(
         [
             {
-                "step": result.step,
-                "loss": round(result.loss, 4),
-                "perplexity": round(result.perplexity, 2),
+                "step": record["step"],
+                "loss": round(record["loss"], 4),
+                "perplexity": round(record["perplexity"], 2),
                 "sample": record["sample"],
             }
         ],

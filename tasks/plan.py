@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from deployments.eval_placement import eval_placement
 from deployments.run import Run
 from tasks.curves import inline_png
+from trainer.measured import planned_vs_measured
 from trainer.plan import Plan
 from trainer.plan.chart import plot_memory_breakdown
 from trainer.units import GiB
@@ -20,17 +24,7 @@ def plan_task(run: Run) -> Plan:
     this warns instead.
     """
     plan, spec = run.plan, run.spec
-    create_table_artifact(
-        [
-            {"quantity": "memory per chip", "value": f"{plan.memory_per_chip_bytes.total / GiB:.2f} GiB"},
-            {"quantity": "fits in HBM", "value": "yes" if plan.fits else "NO"},
-            {"quantity": "step time", "value": f"{plan.step_time_s:.3f} s"},
-            {"quantity": "MFU", "value": f"{plan.mfu:.1%}"},
-            {"quantity": "checkpoint interval", "value": f"{run.job.checkpoint_interval_steps} steps"},
-        ],
-        key=f"{spec.name}-plan",
-        description=f"Plan for {run.run_id}: {spec.model.preset} on {spec.cluster.world_size} × {spec.cluster.chip}",
-    )
+    publish_plan(run, [])
     chart = plot_memory_breakdown(plan, run.dir.memory_chart)
     create_markdown_artifact(
         inline_png(chart, "memory per chip"),
@@ -46,3 +40,25 @@ def plan_task(run: Run) -> Plan:
             spec.cluster.chip,
         )
     return plan
+
+
+def plan_rows(run: Run, records: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The plan's figures beside the run's measured ones (``-`` until it has logged steps)."""
+    blank = {"measured": "-", "measured / planned": "-"}
+    return [
+        *(figure.cells() for figure in planned_vs_measured(run.plan, records)),
+        {"quantity": "fits in HBM", "planned": "yes" if run.plan.fits else "NO", **blank},
+        {"quantity": "checkpoint interval", "planned": f"{run.job.checkpoint_interval_steps} steps", **blank},
+        {"quantity": "evaluation", "planned": eval_placement(run.spec).line, **blank},
+    ]
+
+
+def publish_plan(run: Run, records: list[dict[str, Any]]) -> None:
+    """The plan artifact; the report publishes it again once the run has measured figures."""
+    spec = run.spec
+    create_table_artifact(
+        plan_rows(run, records),
+        key=f"{spec.name}-plan",
+        description=f"Plan{' vs measured' if records else ''} for {run.run_id}: {spec.model.preset} on "
+        f"{spec.cluster.world_size} × {spec.cluster.chip}",
+    )

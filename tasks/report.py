@@ -1,4 +1,4 @@
-"""The run's final report: plan, loss, checkpoints and evaluations in one markdown artifact."""
+"""The run's final report: planned vs measured, loss, checkpoints and evaluations in one markdown artifact."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from deployments.run import Run
+from tasks.compare import publish_comparison
+from tasks.goodput import publish_goodput
+from tasks.plan import plan_rows, publish_plan
 from trainer.checkpoint.manifest import list_checkpoints
+from trainer.measured import markdown_table
 from trainer.metrics import read_metrics
-from trainer.units import GiB
 
 
 def report_markdown(
@@ -21,17 +24,14 @@ def report_markdown(
     evals: list[dict[str, Any]],
     missed: Sequence[str] = (),
 ) -> str:
-    spec, plan, job = run.spec, run.plan, run.job
+    spec = run.spec
     last = metrics[-1] if metrics else {}
     lines = [
         f"# {run.run_id}: {spec.model.preset} on {spec.cluster.world_size} × {spec.cluster.chip}",
         "",
-        "| plan | value |",
-        "|---|---|",
-        f"| memory per chip | {plan.memory_per_chip_bytes.total / GiB:.2f} GiB |",
-        f"| step time (planned) | {plan.step_time_s:.3f} s |",
-        f"| MFU (planned) | {plan.mfu:.1%} |",
-        f"| checkpoint interval | {job.checkpoint_interval_steps} steps |",
+        "Planned vs measured (median of the logged steps after the first; memory: the highest peak):",
+        "",
+        *markdown_table(plan_rows(run, metrics)),
         "",
         f"Final step {last.get('step', '-')}: train loss {last.get('loss', float('nan')):.4f}, "
         f"{last.get('tokens_per_s', 0):.0f} tokens/s. Final checkpoint: `{final_url}`",
@@ -56,9 +56,14 @@ def report_markdown(
 
 @task(name="report", tags=["report"])
 def report_task(run: Run, final_url: str, evals: list[dict[str, Any]], missed: list[str]) -> str:
-    markdown = report_markdown(run, final_url, read_metrics(run.dir.metrics), evals, missed)
+    """The report artifact (and ``report.md``), the plan artifact with measured figures, and a comparison
+    with the spec's previous run when there is one."""
+    metrics = read_metrics(run.dir.metrics)
+    publish_plan(run, metrics)  # the plan artifact's new version: planned beside measured
+    markdown = report_markdown(run, final_url, metrics, evals, missed) + "\n\n" + publish_goodput(run)
     create_markdown_artifact(
         markdown, key=f"{run.spec.name}-report", description=f"Training report for run {run.run_id}"
     )
     run.dir.report.write_text(markdown + "\n")
+    publish_comparison(run)
     return markdown

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from logging import Logger, LoggerAdapter
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,11 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import State, TaskRun
 
 from deployments import kubernetes
+from deployments.run import Run
 from tasks.attempts import publish, record_failure, summary
+from tasks.checkpoints import publish_loss_curve
+from tasks.goodput import record_launch
+from tasks.live import CURVE_INTERVAL_S, Every, StepLines, step_line
 from tasks.provision import LaunchTarget
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.failures import RETRYABLE, FailureKind, classify_exit, worker_exit_code
@@ -57,36 +62,51 @@ def retry_on_node_failure(task: Task[..., Any], task_run: TaskRun, state: State[
 
 
 class Progress:
-    """The run's progress artifact, refreshed from ``metrics.jsonl`` as the trainer appends to it.
+    """The run's progress artifact, step lines and live loss curve, refreshed from ``metrics.jsonl`` as
+    the trainer appends to it (see :mod:`tasks.live`).
 
     ``source`` is the run directory's file, or the trainer's mirror of it in the run's object store
     (``JobConfig.run_url``) for a run on other machines; ``copy_to`` then keeps a copy of what was
     read in the run directory, so the report and the loss curve read a remote run as a local one.
     """
 
-    def __init__(self, source: Path | str, total_steps: int, key: str, copy_to: Path | None = None) -> None:
-        self.source, self.total, self.copy_to, self.seen = source, total_steps, copy_to, -1
-        self.artifact = create_progress_artifact(0.0, key=key, description="waiting for the first step")
+    def __init__(
+        self,
+        run: Run,
+        source: Path | str,
+        logger: Logger | LoggerAdapter[Logger],
+        copy_to: Path | None = None,
+    ) -> None:
+        self.run, self.source, self.logger, self.copy_to, self.seen = run, source, logger, copy_to, -1
+        self.total = run.job.train.steps
+        self.lines = StepLines(self.total, run.job.train.step_line_every)
+        self.curve_due = Every(CURVE_INTERVAL_S)
+        self.artifact = create_progress_artifact(
+            0.0, key=f"{run.job.name}-progress", description="waiting for the first step"
+        )
 
-    def update(self) -> None:
+    def update(self, final: bool = False) -> None:
+        """Show the steps logged since the last call; ``final`` also redraws the loss curve once more."""
         records = read_metrics(self.source)
-        if not records or records[-1]["step"] == self.seen:
-            return
+        fresh = bool(records) and records[-1]["step"] != self.seen
+        if fresh:
+            self._show(records)
+        if records and (final or (fresh and self.curve_due())):
+            publish_loss_curve(self.run.dir, self.run.job.name)
+
+    def _show(self, records: list[dict[str, Any]]) -> None:
         if self.copy_to is not None:
             write_atomic(str(self.copy_to), "".join(json.dumps(r) + "\n" for r in records).encode())
+        new = [r for r in records if r["step"] > self.seen]
+        # A retry's first read holds the earlier attempts' steps too: a line for where it stands, not a backlog.
+        for level, line in self.lines.lines(new if self.seen >= 0 else new[-1:]):
+            self.logger.log(level, line)
         last = records[-1]
         self.seen = last["step"]
-        slowest = (
-            f" · straggler: rank {last['slowest_rank']} ({last['host_time_max_s']:.2f}s host time, "
-            f"others {last['host_time_others_median_s']:.2f}s)"
-            if last.get("straggler")
-            else ""
-        )
         update_progress_artifact(
             self.artifact,
             100.0 * last["step"] / self.total,
-            description=f"step {last['step']}/{self.total} · loss {last['loss']:.4f} · "
-            f"{last['tokens_per_s']:.0f} tokens/s{slowest}",
+            description=step_line(last, self.total, None)[1],
         )
 
 
@@ -122,15 +142,17 @@ def train_task(target: LaunchTarget) -> str:
     run = target.run
     job = run.job
     progress = Progress(
+        run,
         mirror_of(run.dir.metrics, job.run_url) or run.dir.metrics,
-        job.train.steps,
-        key=f"{job.name}-progress",
+        get_run_logger(),
         copy_to=run.dir.metrics if target.kind == "kubernetes" else None,  # locally the trainer writes it
     )
+    record_launch(run.dir)
     with run.claim():
         code, tail = (
             run_local(target, progress) if target.kind == "local" else run_kubernetes(target, progress)
         )
+    progress.update(final=True)
     kind = classify_exit(code, tail)
     if kind != "ok":
         exit_code = worker_exit_code(code, tail)

@@ -62,7 +62,7 @@ def validate(spec: SpecPath) -> None:
     typer.echo(
         f"ok: {loaded.name}: {loaded.model.preset} on {loaded.cluster.nodes}×{loaded.cluster.chips_per_node} "
         f"{loaded.cluster.chip} (dp_replicate={loaded.parallel.dp_replicate} dp_shard={loaded.parallel.dp_shard} "
-        f"tp={loaded.parallel.tp} pp={loaded.parallel.pp}), pool {loaded.cluster.pool}"
+        f"cp={loaded.parallel.cp} tp={loaded.parallel.tp} pp={loaded.parallel.pp}), pool {loaded.cluster.pool}"
     )
 
 
@@ -122,6 +122,41 @@ def plan(
 
 @app.command()
 @user_errors
+def goodput(
+    spec: SpecPath,
+    days: Annotated[float, typer.Option(min=0.01, help="Wall-clock length of the simulated run.")] = 54.0,
+    seed: Annotated[int, typer.Option(help="Seed of the failure draws (same seed, same failures).")] = 0,
+    plot: Annotated[Path | None, typer.Option(help="Also draw progress and badput as a PNG here.")] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Machine-readable JSON instead of a table.")
+    ] = False,
+) -> None:
+    """Simulate SPEC's cluster over a long run with Llama 3's failure rates (Table 5 categories), with
+    in-memory + storage checkpoints and with today's restart-all-from-storage, on the same failures.
+
+    Example: tessera goodput benchmarks/llama3-405b-h100-16k.yaml --days 54 --plot goodput.png
+    """
+    from trainer.plan.goodput_sim import LLAMA3_TABLE5, compare_policies, format_results, policy_clusters
+
+    loaded = load_spec(spec)
+    clusters = policy_clusters(
+        loaded.model, loaded.parallel, loaded.train, loaded.cluster, loaded.checkpoint, loaded.faults
+    )
+    results = compare_policies(clusters, LLAMA3_TABLE5, seed, days * 86400)
+    if plot is not None:
+        from trainer.plan.goodput_chart import plot_goodput
+
+        title = f"{loaded.name}: {days:g} days on {loaded.cluster.world_size} × {loaded.cluster.chip}, seed {seed}"
+        typer.echo(f"goodput chart: {plot_goodput(results, title, plot)}", err=True)
+    if as_json:
+        typer.echo(json.dumps({name: r.as_dict() for name, r in results.items()}, indent=2))
+        return
+    typer.echo(f"failure model: {LLAMA3_TABLE5.name}")
+    typer.echo(format_results(results))
+
+
+@app.command()
+@user_errors
 def calibrate(
     out: Annotated[Path, typer.Option(help="Where to write the chip profile (JSON).")] = Path(
         "runs/calibration/cpu.json"
@@ -167,7 +202,7 @@ def train(
     if nproc is not None and nproc != loaded.parallel.world_size:
         raise UserError(
             f"--nproc {nproc} does not match the spec's world size {loaded.parallel.world_size} "
-            f"(dp_replicate×dp_shard×tp×pp); pass --nproc {loaded.parallel.world_size} or change "
+            f"(dp_replicate×dp_shard×cp×tp×pp); pass --nproc {loaded.parallel.world_size} or change "
             "parallel/cluster in the spec"
         )
     run = Run.open(loaded, RunDir(run_dir), data_url=data)
@@ -236,7 +271,7 @@ def run(spec: SpecPath) -> None:
     typer.echo(
         f"\nfinal checkpoint: {final}\nrun dir:          {directory.parent if directory else '-'}  "
         f"(metrics.jsonl, loss.png, evals/, report.md)\nartifacts:        prefect artifact ls  (keys "
-        f"{loaded.name}-plan, -progress, -eval, -loss-curve, -report)"
+        f"{loaded.name}-plan, -progress, -eval, -loss-curve, -report, -comparison)"
     )
 
 
@@ -276,6 +311,93 @@ def submit(
             target.id, parameters={"spec": spec.model_dump(mode="json")}
         )
     typer.echo(f"flow run {run.name} ({run.id}) of {deployment} created; `prefect flow-run inspect {run.id}`")
+
+
+@app.command()
+@user_errors
+def compare(
+    runs: Annotated[
+        list[str],
+        typer.Argument(
+            help="Two or more runs: run ids (directories under runs/), flow run names (train-<run id>) "
+            "or run directories."
+        ),
+    ],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory for comparison.png and comparison.md (default: runs/comparisons/A-vs-B)."
+        ),
+    ] = None,
+) -> None:
+    """Compare runs: loss curves overlaid (PNG), outcomes and throughput, and the spec diff (markdown).
+
+    Example: tessera compare tiny-local-3f2a9c1b tiny-local-7d01e4aa
+    """
+    from tasks.compare import write_comparison
+    from trainer.compare import RunRecord, find_run
+    from trainer.rundir import runs_root
+
+    if len(runs) < 2:
+        raise UserError("give two or more runs to compare, e.g. tessera compare RUN_A RUN_B")
+    records = [RunRecord.read(find_run(ref)) for ref in runs]
+    png, markdown = write_comparison(
+        records, out or runs_root() / "comparisons" / "-vs-".join(r.run_id for r in records)
+    )
+    typer.echo(markdown.read_text())
+    typer.echo(f"loss curves: {png}\ncomparison:  {markdown}")
+
+
+CheckpointUrl = Annotated[
+    str, typer.Argument(help="A checkpoint step directory, or a checkpoint.url (its newest good step).")
+]
+HFDir = Annotated[Path, typer.Argument(help="A Hugging Face model directory (safetensors + config.json).")]
+ModelSpec = Annotated[Path, typer.Option(help="The spec whose model the checkpoint holds.")]
+
+
+@app.command("export")
+@user_errors
+def export_checkpoint(
+    checkpoint: CheckpointUrl,
+    out_dir: HFDir,
+    spec: ModelSpec,
+    dtype: Annotated[str, typer.Option(help="bf16 (what the Hub ships) or fp32 (exact).")] = "bf16",
+) -> None:
+    """Export a checkpoint's weights as Hugging Face Llama safetensors + config.json into a new directory.
+
+    Example: tessera export runs/<run>/checkpoints build/hf --spec deployments/specs/local-cpu.yaml
+    """
+    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint.hf import DTYPES, export_hf
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    try:
+        out = export_hf(checkpoint, load_spec(spec).job_config(data_url=None), out_dir, dtype)  # type: ignore[arg-type]
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+    typer.echo(f"exported: {out}")
+
+
+@app.command("import")
+@user_errors
+def import_checkpoint(
+    hf_dir: HFDir,
+    checkpoint_url: Annotated[str, typer.Argument(help="Where to write it (its step-000000 directory).")],
+    spec: ModelSpec,
+) -> None:
+    """Import Hugging Face Llama safetensors as a tessera checkpoint (weights only) for the spec's model.
+
+    Example: tessera import build/hf runs/imported/checkpoints --spec deployments/specs/local-cpu.yaml
+    """
+    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint.hf import import_hf
+
+    try:
+        step_url = import_hf(hf_dir, load_spec(spec).job_config(data_url=None), checkpoint_url)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+    typer.echo(f"imported: {step_url}")
 
 
 @app.command()
@@ -342,16 +464,25 @@ def deploy(
 
     Example: PREFECT_API_URL=http://127.0.0.1:4200/api tessera deploy
     """
-    from deployments.register import PREFECT_YAML, NoServer, deploy_all, ensure_pools, render_prefect_yaml
+    from deployments.register import (
+        NoServer,
+        checkout,
+        deploy_all,
+        ensure_pools,
+        render_prefect_yaml,
+        seal_parameters,
+    )
 
+    root = checkout()  # the clone you are in, not the installed package's directory
     try:
         ensure_pools()
     except NoServer as exc:
         raise UserError(str(exc)) from None
     if write:
-        PREFECT_YAML.write_text(render_prefect_yaml())
-    if deploy_all(name):
+        (root / "prefect.yaml").write_text(render_prefect_yaml(root / "deployments" / "specs"))
+    if deploy_all(name, root):
         raise UserError("prefect deploy failed; its output above names the deployment and the problem")
+    seal_parameters()  # unknown top-level parameters are refused by the server, not crashed on by a worker
 
 
 if __name__ == "__main__":

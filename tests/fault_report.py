@@ -27,6 +27,7 @@ class FaultRow:
     steps_lost: int | None  # steps redone after resuming from the newest good checkpoint
     resume_s: float | None  # fault injected → training resumed (a relaunch logged its resume)
     curve_matched: bool | None  # the recovered run's loss curve equals the uninterrupted one
+    restored_from: Literal["own memory", "peer memory", "storage"] | None = None  # the tier resumed from
 
 
 def record(row: FaultRow) -> None:

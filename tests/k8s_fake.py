@@ -11,10 +11,11 @@ this is an HTTP fake, not a cluster. It speaks just enough of the REST API for w
   CRD schemas (tests/schemas), answering 422 like the API server;
 - deleting an object deletes what names it in ``ownerReferences`` (the garbage collector's cascade).
 
-What a controller would do is done by the test through :meth:`FakeCluster.fail_pod` and
-:meth:`FakeCluster.finish`: a stand-in for the Job and JobSet controllers that applies the *rendered*
-pod failure policy and JobSet failure policy as their documentation specifies (first matching rule,
-reasons and message patterns, maxRestarts), with the Job controller's documented failure messages.
+What a controller would do is done by the test through :meth:`FakeCluster.fail_pod`,
+:meth:`FakeCluster.finish` and :meth:`FakeCluster.end_job`: a stand-in for the Job and JobSet
+controllers that applies the *rendered* pod failure policy and JobSet failure policy as their
+documentation specifies (first matching rule, reasons and message patterns, maxRestarts), with the
+Job controller's documented failure messages.
 It is not the real controllers; ``make k8s-smoke`` runs the same client code against a real cluster.
 """
 
@@ -40,6 +41,7 @@ _PATH = re.compile(
     r"(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?$"
 )
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"
+JOB_LABEL = "batch.kubernetes.io/job-name"
 
 Obj = dict[str, Any]
 
@@ -179,6 +181,33 @@ class FakeCluster:
         with self.lock:
             status = self.jobset(namespace, name).setdefault("status", {"restarts": 0})
             status["conditions"] = [{"type": "Completed", "status": "True"}]
+
+    def end_job(self, namespace: str, name: str, exit_code: int, log: str = "") -> None:
+        """The Job controller's part for a plain Job (the evaluation Job): its one pod exits with
+        ``exit_code``, and the Job is Complete (0) or Failed."""
+        with self.lock:
+            job = self.objects[("jobs", namespace, name)]
+            pod_name = f"{name}-abcde"
+            self.objects[("pods", namespace, pod_name)] = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod_name,
+                    "namespace": namespace,
+                    "uid": str(uuid.uuid4()),
+                    "labels": {JOB_LABEL: name},
+                    "ownerReferences": [
+                        {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"]}
+                    ],
+                },
+                "status": {
+                    "phase": "Failed" if exit_code else "Succeeded",
+                    "containerStatuses": [_container(_terminated(exit_code))],
+                },
+            }
+            self.logs[pod_name] = log
+            condition = "Failed" if exit_code else "Complete"
+            job["status"] = {"conditions": [{"type": condition, "status": "True"}]}
 
 
 def _container(state: Obj) -> Obj:

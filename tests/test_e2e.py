@@ -9,10 +9,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 from prefect import get_client
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import (
@@ -29,6 +32,7 @@ from deployments.register import REPO_ROOT
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, server_env, start_process, stop_process
+from tests.test_spec_properties import mutated_specs, server_accepts
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.data.manifest import read_manifest
 from trainer.metrics import read_metrics
@@ -58,8 +62,7 @@ def deployed(
     """Pools created, every deployment of prefect.yaml deployed, a worker polling tessera-cpu."""
     home = tmp_path_factory.mktemp("prefect-client")
     env = server_env(prefect_server, home)
-    cli(env, sys.executable, "-m", "tessera.cli", "pools")
-    cli(env, sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all")
+    cli(env, sys.executable, "-m", "tessera.cli", "deploy", "--no-write")  # pools, deployments, sealed
     runs = tmp_path_factory.mktemp("runs")
     worker_env = {**env, "TESSERA_RUNS_DIR": str(runs), "PREFECT_WORKER_QUERY_SECONDS": "1"}
     log = home / "worker.log"
@@ -113,6 +116,41 @@ def test_invalid_spec_is_rejected_by_the_server_and_launches_nothing(
     runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[pipeline])))
     assert not [r for r in runs if r.parameters.get("spec", {}).get("name") == "e2e-bad"]
     assert not (deployed[1] / "e2e-bad").exists()
+
+
+def test_an_unknown_top_level_parameter_is_refused_by_the_server_naming_it(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    spec = tiny_spec_dict(tmp_path, "e2e-unknown")
+    pipeline = deployment_id(client, "train-pipeline/local-cpu")
+    with pytest.raises(PrefectHTTPStatusError) as rejected:
+        client.create_flow_run_from_deployment(pipeline, parameters={"spec": spec, "stpes": 30})
+    assert rejected.value.response.status_code in (409, 422) and "stpes" in rejected.value.response.text
+    assert not (deployed[1] / "e2e-unknown").exists()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=mutated_specs())
+def test_the_server_refuses_exactly_what_the_schema_check_refuses(
+    client: SyncPrefectClient, deployed: object, case: tuple[dict[str, Any], str]
+) -> None:
+    """The Prefect API door over HTTP: each generated spec is created as a flow run (scheduled a day
+    out, so no worker takes it, then deleted) or refused with a 4xx, as the property tests predict."""
+    spec, _ = case
+    try:
+        spec = json.loads(json.dumps(spec, allow_nan=False))
+    except ValueError:
+        return  # NaN and infinities cannot travel as JSON at all
+    pipeline = deployment_id(client, "train-pipeline/local-cpu")
+    later = Scheduled(scheduled_time=datetime.now(UTC) + timedelta(days=1))
+    try:
+        run = client.create_flow_run_from_deployment(pipeline, parameters={"spec": spec}, state=later)
+    except PrefectHTTPStatusError as refused:
+        assert refused.response.status_code in (409, 422), refused.response.text
+        assert not server_accepts(spec), f"the server refused what the schema accepts: {spec}"
+        return
+    client.delete_flow_run(run.id)
+    assert server_accepts(spec), f"the server accepted what the schema refuses: {spec}"
 
 
 def test_pipeline_deployment_run_trains_validates_and_evaluates(

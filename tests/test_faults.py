@@ -456,3 +456,27 @@ def test_tar_members_that_escape_are_never_written(tmp_path: Path, monkeypatch: 
         rows = None
     assert rows is None or rows.tolist() == [list(range(9))] * len(rows)
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, inside or outside the cache
+
+
+@pytest.mark.parametrize("shape", ["gzip", "sparse", "oversized"])
+def test_a_shard_that_would_expand_is_refused_before_extraction(shape: str) -> None:
+    """A hash-matching shard can still be a bomb: compressed, sparse or oversized members are refused unread."""
+    sample = np.arange(9, dtype=np.uint16).tobytes()
+    buffer = io.BytesIO()
+    with tarfile.open(
+        fileobj=buffer, mode="w:gz" if shape == "gzip" else "w", format=tarfile.GNU_FORMAT
+    ) as tar:
+        member = tarfile.TarInfo(f"000000000.{TOKENS_EXT}")
+        payload = sample if shape != "oversized" else bytes(1 << 20)
+        member.size = len(payload)
+        tar.addfile(member, io.BytesIO(payload))
+    data = buffer.getvalue()
+    if shape == "sparse":  # mark the member GNU-sparse ('S'), as a crafted shard would: its size can be huge
+        header = bytearray(data[:512])
+        header[156:157] = b"S"
+        header[148:156] = b" " * 8
+        header[148:155] = f"{sum(header):06o}\0".encode()
+        data = bytes(header) + data[512:]
+    with pytest.raises(DataError, match="re-run data preparation") as refused:
+        decode_shard(data, "uint16", 9, "s3://untrusted/bomb.tar")
+    assert ("plain (uncompressed) tar" if shape == "gzip" else "has a member") in str(refused.value)

@@ -17,7 +17,14 @@ from uuid import UUID
 
 import pytest
 from prefect import flow, get_client, task
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 from prefect.client.schemas.objects import TaskRun
 
 from flows.pipeline import Evaluation, completed, evaluate_checkpoints, train_pipeline
@@ -97,7 +104,7 @@ def train_task_run(flow_run_id: UUID) -> TaskRun:
 
 
 def artifact_keys(prefix: str) -> set[str]:
-    keys = {f"{prefix}-{kind}" for kind in ("plan", "progress", "eval", "loss-curve", "report")}
+    keys = {f"{prefix}-{kind}" for kind in ("plan", "progress", "eval", "loss-curve", "report", "goodput")}
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sorted(keys)))
@@ -159,9 +166,19 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
     evals = [json.loads(p.read_text()) for p in sorted(run.evals.glob("*.json"))]
     assert [e["step"] for e in evals] == [4, 8, 12] and all(e["perplexity"] > 1 for e in evals)
     assert run.loss_curve.stat().st_size > 0 and "| 12 | validated |" in run.report.read_text()
+    # Planned beside measured, and step lines in the run's logs as it trained.
+    assert re.search(r"\| step time \| [\d.]+ s \| [\d.]+ s \| [\d.]+× \|", run.report.read_text())
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
+    assert any(log.message.startswith("step 12/12 · loss ") for log in logs)
     assert artifact_keys(spec.name) == {
-        f"{spec.name}-{k}" for k in ("plan", "progress", "eval", "loss-curve", "report")
+        f"{spec.name}-{k}" for k in ("plan", "progress", "eval", "loss-curve", "report", "goodput")
     }
+    # Where the wall time went: the kill cost one restart; each launch waited for its first process.
+    goodput = run.report.read_text().split("## Goodput", 1)[1]
+    assert "1 restart(s)" in goodput and not re.search(r"waiting for capacity .*\| 0\.0 \|", goodput)
 
     run.eval_record(8).unlink()
     assert [e["step"] for e in evaluate_checkpoints(spec)] == [8]  # only the missing evaluation is redone
@@ -263,6 +280,19 @@ def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checke
     assert [r["step"] for r in read_metrics(run.metrics)] == [1, 2, 3, 4, 5, 6]
     assert json.loads(run.status.read_text())["resumed_from"] == 4
     assert len(list(runs_dir.glob("ident-*"))) == 2
+
+    # Each flow run has a name of its own, the run's; a run that follows another is compared with it.
+    with get_client(sync_client=True) as client:
+        names = [client.read_flow_run(s.state_details.flow_run_id).name for s in (first, second, continued)]
+        comparisons = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["ident-comparison"]))
+        )
+    assert names[:2] == [f"train-{run.run_id}", f"train-{fresh.name}"]
+    assert names[2] == f"train-{run.run_id}-continued-{continued.state_details.flow_run_id.hex[:8]}"
+    assert {a.description for a in comparisons} == {
+        f"{fresh.name} against the previous run of ident, {run.run_id}",
+        f"{run.run_id} against the previous run of ident, {fresh.name}",
+    }
 
 
 @task

@@ -9,6 +9,7 @@ and the orchestrator run, minus Kubernetes.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +29,9 @@ pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.store]
 
 def lines(*steps: int) -> bytes:
     return "".join(
-        json.dumps({"step": s, "loss": 9.0 - s, "tokens_per_s": 100.0}) + "\n" for s in steps
+        json.dumps({"step": s, "loss": 9.0 - s, "tokens_per_s": 100.0, "step_time_s": 0.1, "mfu": 0.01})
+        + "\n"
+        for s in steps
     ).encode()
 
 
@@ -44,13 +47,17 @@ def test_a_restarted_pod_continues_the_curve_the_store_holds(s3_bucket: str, tmp
     )
 
 
-def test_progress_follows_a_remote_file_and_keeps_a_local_copy(s3_bucket: str, tmp_path: Path) -> None:
+def test_progress_follows_a_remote_file_and_keeps_a_local_copy(
+    s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TESSERA_RUNS_DIR", str(tmp_path / "runs"))
+    run = Run.open(tiny_spec(tmp_path, "remote", steps=4))
     remote = f"{s3_bucket}/progress-copy/metrics.jsonl"
     storage.write_atomic(remote, lines(1, 2))
-    local = tmp_path / "run" / "metrics.jsonl"
-    progress = Progress(remote, total_steps=4, key="remote-progress", copy_to=local)
+    progress = Progress(run, remote, logging.getLogger("test"), copy_to=run.dir.metrics)
     progress.update()
-    assert progress.seen == 2 and local.read_bytes() == lines(1, 2)  # what the report and loss curve read
+    assert progress.seen == 2 and run.dir.metrics.read_bytes() == lines(1, 2)  # the report reads this
+    assert run.dir.loss_curve.exists()  # drawn from the copy at the first update
 
 
 @pytest.mark.dist

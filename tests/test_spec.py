@@ -34,7 +34,33 @@ def test_preset_fills_dimensions_and_override_wins() -> None:
             "parallel.tp=3 must divide model.n_heads",
         ),
         ({"parallel": {"pp": 3}, "cluster": {"chips_per_node": 3}}, "must divide model.n_layers"),
+        (
+            {"parallel": {"cp": 3}, "cluster": {"chips_per_node": 3}, "train": {"seq_len": 100}},
+            "train.seq_len=100 must be divisible by 2·cp·tp=6",
+        ),
+        ({"parallel": {"cp": 2, "pp": 2}, "cluster": {"chips_per_node": 4}}, "set pp=1 or cp=1"),
+        ({"parallel": {"cp": 2, "compile": True}, "cluster": {"chips_per_node": 2}}, "set compile=false"),
+        (
+            {"model": {"preset": "tiny-moe"}, "parallel": {"cp": 2}, "cluster": {"chips_per_node": 2}},
+            "parallel.cp=2 with a mixture-of-experts model (model.moe) is not supported",
+        ),
+        ({"parallel": {"cp": 2}}, "dp_replicate×dp_shard×cp×tp×pp = 1×1×2×1×1 = 2"),
         ({"train": {"global_batch_size": 6, "micro_batch_size": 4}}, "train.global_batch_size=6"),
+        (
+            {"parallel": {"pp": 2, "pp_schedule": "zbv_zero_bubble"}, "cluster": {"chips_per_node": 2}},
+            "set parallel.pp_virtual_stages=2",
+        ),
+        (
+            {
+                "parallel": {"pp": 2, "pp_schedule": "dualpipev", "pp_virtual_stages": 2},
+                "cluster": {"chips_per_node": 2},
+            },
+            "dualpipev needs at least 2·pp=4 micro-batches",
+        ),
+        (
+            {"parallel": {"float8": "tensorwise", "mixed_precision": "bf16"}},
+            "parallel.float8=tensorwise needs a GPU with fp8 matmuls, but chip 'cpu' has none",
+        ),
         ({"cluster": {"accelerator": "gpu", "chip": "tpu-v5p"}}, "cluster.chip='tpu-v5p' is not a gpu chip"),
         ({"modle": {}}, "modle: unknown field"),
         ({"train": {"steps": -1}}, "train.steps: Input should be greater than or equal to 1"),

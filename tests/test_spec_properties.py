@@ -67,7 +67,7 @@ def accept_or_name_the_field(spec: dict[str, Any], section: str) -> None:
         plan_for_job(parsed.job_config(data_url=None))
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=2000, deadline=None)
 @given(mutated_specs())
 @example((BASE | {"model": {"preset": "custom", "n_layers": 10**15, "dim": 64, "n_heads": 4}}, "model"))
 @example((BASE | {"name": "../escape"}, "name"))

@@ -14,11 +14,13 @@ And separately: an agent held by SIGSTOP is killed after ``faults.step_timeout_s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import pytest
 import yaml
 
 from tests.fault_report import FaultRow, record
-from tests.pipeline_specs import MICRO_MODEL
+from tests.pipeline_specs import MICRO_MODEL, run_of, tiny_spec_dict
 from trainer.agents import is_stopped
 from trainer.checkpoint import list_checkpoints
 from trainer.metrics import read_metrics
@@ -267,3 +269,96 @@ def test_a_full_disk_is_named_on_every_attempt_and_leaves_no_debris(small_disk: 
             "disk full while checkpointing (twice)", "failed clearly", "user_error", None, None, None, None
         )
     )
+
+
+def process_tree(root: int) -> dict[int, str]:
+    """``root`` and its live descendants: pid -> start time (so a reused pid is not mistaken for one)."""
+    stats = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            stats[int(proc.name)] = (int(fields[1]), fields[19])  # (ppid, start time)
+    tree, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in stats:
+            tree[pid] = stats[pid][1]
+            frontier += [child for child, (ppid, _) in stats.items() if ppid == pid]
+    return tree
+
+
+def still_alive(tree: dict[int, str]) -> list[int]:
+    alive = process_tree(1)  # every live process
+    return [pid for pid, start in tree.items() if alive.get(pid) == start]
+
+
+def listening_ports(pids: Iterable[int] | None = None) -> set[int]:
+    """TCP ports in LISTEN state (IPv4 and IPv6): all of them, or those whose socket ``pids`` hold."""
+    inodes = None
+    if pids is not None:
+        inodes = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    with contextlib.suppress(OSError):
+                        target = os.readlink(fd)
+                        if target.startswith("socket:["):
+                            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and (inodes is None or fields[9] in inodes):
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_sigterm_of_tessera_run_stops_its_server_and_trainers_and_is_not_a_user_error(tmp_path: Path) -> None:
+    """The whole local pipeline (temporary Prefect server, flow, agents, ranks) stopped by one SIGTERM."""
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(tiny_spec_dict(tmp_path, "stop-run", steps=200, interval=2)))
+    runs = tmp_path / "runs"
+    output = (tmp_path / "run.log").open("w+")  # a file, not a pipe: Prefect's logs must never block it
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "tessera.cli", "run", str(spec_file)],
+        cwd=REPO,
+        env={**os.environ, **SLOW, "TESSERA_RUNS_DIR": str(runs), "PREFECT_HOME": str(tmp_path / "prefect")},
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def trained_a_step() -> bool:
+            assert launch.poll() is None, (
+                f"tessera run ended early:\n{(tmp_path / 'run.log').read_text()[-3000:]}"
+            )
+            run = run_of(runs, "stop-run")
+            return run is not None and steps_logged(run.path) >= 1
+
+        # the temporary server, data preparation and the launch come first
+        wait_until(trained_a_step, "a step", timeout_s=300)
+        tree = process_tree(launch.pid)
+        ports_during = listening_ports(tree)
+        launch.send_signal(signal.SIGTERM)
+        launch.wait(timeout=60)
+        stopped_s = wait_until(lambda: not still_alive(tree), "every process tessera run started to exit", 30)
+    finally:
+        launch.kill()
+    output.seek(0)
+    err = output.read()
+    assert launch.returncode == 128 + signal.SIGTERM, err[-3000:]
+    # Its own lines: the agents' output, relayed into the train task's log, includes torchrun's
+    # account of the signal, as under tessera train (where it goes to stdout).
+    own = "\n".join(line for line in err.splitlines() if "| Task run '" not in line)
+    assert "stopped by SIGTERM" in own and "Traceback" not in own, err[-3000:]
+    assert ports_during, "the temporary Prefect server was expected to listen while the run trained"
+    assert not (listening_ports() & ports_during), "a port tessera run listened on is still listening"
+    run = run_of(runs, "stop-run")
+    assert run is not None and not (run.path / "user_error.json").exists(), "a stop is not a user error"
+    record(FaultRow("SIGTERM of tessera run", "recovered", "stopped", round(stopped_s, 1), None, None, None))

@@ -65,9 +65,11 @@ def test_plan_publishes_a_table_and_warns_when_oversubscribed(
 ) -> None:
     plan = plan_task(Run.open(tiny_spec(tmp_path, "plan-ok")))
     assert plan.fits
-    rows = {row["quantity"]: row["value"] for row in artifact("plan-ok-plan")}
+    table = artifact("plan-ok-plan")
+    rows = {row["quantity"]: row["planned"] for row in table}
     assert rows["fits in HBM"] == "yes" and rows["checkpoint interval"] == "3 steps"
-    assert {"memory per chip", "step time", "MFU"} <= set(rows)
+    assert {"memory per chip", "step time", "MFU", "throughput"} <= set(rows)
+    assert {row["measured"] for row in table} == {"-"}  # until the run has trained (then the report's)
     big = tiny_spec(tmp_path, "plan-big", model={"preset": "llama3-8b"}, allow_oversubscribe=True)
     assert not plan_task(Run.open(big)).fits
     assert "launching anyway because allow_oversubscribe is set" in caplog.text

@@ -30,6 +30,7 @@ from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
 from trainer.config import JobConfig, OptimizerConfig
 from trainer.failures import EXIT_HANG, classify_exit, worker_exit_code
+from trainer.goodput import account_run
 from trainer.launch import LaunchResult, launch_env, torchrun_command
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.optim import build_optimizer, build_scheduler, lr_factor
@@ -159,6 +160,8 @@ def test_same_job_same_curve_and_checkpoints(scenarios: tuple[Path, dict[str, st
     assert status["final_checkpoint"] == manifests[-1].url and status["resumed_from"] is None
     metrics = read_metrics(base / "a" / "metrics.jsonl")[-1]
     assert metrics["tokens_per_s"] > 0 and 0 < metrics["mfu"] < 1
+    phases = [metrics[f"{p}_s"] for p in ("data", "telemetry", "forward_backward", "clip", "optimizer")]
+    assert all(t >= 0 for t in phases) and sum(phases) <= metrics["step_time_s"]  # the step, by phase
 
 
 @pytest.mark.dist
@@ -214,6 +217,11 @@ def test_crash_restart_resume_matches_uninterrupted_curve(
     assert "resumed from step 4" in output
     assert curve(run_dir) == curve(base / "a")  # bitwise, across the crash
     assert json.loads((run_dir / "status.json").read_text())["resumed_from"] == 4
+    # Where the run's wall time went: step 5 was trained twice, the kill cost one restart.
+    goodput = account_run(RunDir(run_dir).goodput, RunDir(run_dir).metrics)
+    assert (goodput.restarts, goodput.steps_lost, goodput.steps_kept) == (1, 1, 8)
+    assert all(goodput.seconds[k] > 0 for k in ("productive", "startup", "restart", "recomputed"))
+    assert sum(goodput.seconds.values()) == pytest.approx(goodput.wall_s)
     job = json.loads((run_dir / "job.json").read_text())
     assert (job["name"], job["run_id"]) == ("train-test", "run")  # tessera train's run is its --run-dir
     record(
@@ -225,6 +233,7 @@ def test_crash_restart_resume_matches_uninterrupted_curve(
             steps_redone(output, completed=5),
             seconds_between(output, "injected fault", "resumed from step"),
             True,
+            restored_from="storage",
         )
     )
 
@@ -266,6 +275,31 @@ def test_death_in_an_async_save_then_a_nan_that_torchrun_does_not_restart(
     record(
         FaultRow("NaN loss under torchrun restarts", "failed clearly", "user_error", None, None, None, None)
     )
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_context_parallel_run_resumes_across_kill_9(
+    scenarios: tuple[Path, dict[str, str | None]], tmp_path: Path
+) -> None:
+    """cp=2 (each rank half of every sequence, ring attention) trains run a's model on a's data; killed
+    at step 6 and resumed from step 4, it still follows a's curve. Not bitwise (another reduction order):
+    rtol 1e-4, the layout parity tolerance; a wrong resume (data, RNG, optimizer) would be far off."""
+    base, _ = scenarios
+    run_dir = tmp_path / "cp"
+    returncode, output = tessera_train(
+        spec_with(parallel={"dp_shard": 1, "cp": 2}, checkpoint={"mode": "sync"}, faults={"max_restarts": 1}),
+        run_dir,
+        {"TESSERA_FAULT_CRASH_AT_STEP": "6"},
+    )
+    assert returncode == 0, output[-4000:]
+    assert "exitcode: -9" in output and "resumed from step 4" in output
+    resumed, reference = curve(run_dir), curve(base / "a")
+    assert [(r["step"], r["lr"], r["tokens"]) for r in resumed] == [
+        (r["step"], r["lr"], r["tokens"]) for r in reference
+    ]
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in reference], rel=1e-4), key
 
 
 # ------------------------------------------------------------------------------- without torchrun

@@ -128,6 +128,25 @@ def form_field(page: Any, label: str) -> Any:
     )
 
 
+def form_size(page: Any) -> tuple[float, int]:
+    """The run form's height in pixels, and how many fields come before the Cluster section."""
+    labels = page.locator(".schema-form-property__label").all_inner_texts()
+    height = page.evaluate(
+        "(document.querySelector('.schema-form') || document.querySelector('form')).getBoundingClientRect().height"
+    )
+    return height, labels.index("Cluster (Optional)") - 1  # the first label is the parameter, spec
+
+
+def descriptions(schema: Any) -> list[str]:
+    """Every description in a JSON schema, at any depth."""
+    if isinstance(schema, list):
+        return [d for item in schema for d in descriptions(item)]
+    if not isinstance(schema, dict):
+        return []
+    own = [schema["description"]] if isinstance(schema.get("description"), str) else []
+    return own + [d for key, value in schema.items() if key != "description" for d in descriptions(value)]
+
+
 def parameters_menu(page: Any, item: str) -> None:
     page.locator("xpath=//*[normalize-space()='Parameters']/following-sibling::*//button").first.click()
     page.get_by_text(item, exact=True).click()
@@ -194,6 +213,17 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
         assert cluster.locator(accelerator).count() == 1  # nested inside the cluster section
         assert accelerator.locator(".p-select-button__value").inner_text() == "cpu"
         assert form_field(page, "Chips Per Node").locator("input").input_value() == "2"
+        assert form_field(page, "Chip").locator(".p-select-button__value").inner_text() == "cpu"  # a choice
+
+        # Shorter to scan: the fields changed on most runs come first, and every description is whole.
+        height, above_cluster = form_size(page)
+        print(f"run form: {height:.0f} px high, {above_cluster} fields above Cluster")
+        assert above_cluster <= 20
+        documented = {" ".join(d.split()) for d in descriptions(deployment.parameter_openapi_schema)}
+        rendered = [
+            " ".join(t.split()) for t in page.locator(".schema-form-property__description").all_inner_texts()
+        ]
+        assert rendered and [t for t in rendered if t and t not in documented] == []
         form_field(page, "Parallel").scroll_into_view_if_needed()
         open_choices(page, accelerator)
         assert set(page.get_by_role("option").all_inner_texts()) >= {"cpu", "gpu", "tpu", "trainium"}
@@ -201,9 +231,19 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
         page.keyboard.press("Escape")
         page.get_by_role("option").first.wait_for(state="hidden")
 
+        # The form refuses an impossible layout itself: no flow run is created.
+        parameters_menu(page, "Use JSON input")
+        impossible = tiny_spec_dict(tmp_path, "ui-bad", parallel={"dp_shard": 2, "tp": 3})
+        page.locator(".p-code-input__textarea").fill(json.dumps({"spec": impossible}, indent=2))
+        page.get_by_role("button", name="Submit").click()
+        time.sleep(5)
+        page.screenshot(path=tmp_path / "refused.png", full_page=True)
+        assert page.url.endswith("/run") and not client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+        )
+
         # A few-step spec through the JSON view, then one field edited in the form.
         spec = tiny_spec_dict(tmp_path, "ui-json", steps=4, interval=2)
-        parameters_menu(page, "Use JSON input")
         page.locator(".p-code-input__textarea").fill(json.dumps({"spec": spec}, indent=2))
         parameters_menu(page, "Use form input")
         name = form_field(page, "Name").locator("textarea").first

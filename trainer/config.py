@@ -15,11 +15,22 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trainer.backends.chips import CHIPS
 from trainer.hub import HUB_URL_PREFIXES
 
-ModelPreset = Literal["tiny", "small", "llama3-8b", "llama3-70b", "llama3-405b", "custom"]
+ModelPreset = Literal[
+    "tiny", "small", "tiny-moe", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "custom"
+]
 Accelerator = Literal["cpu", "gpu", "tpu", "trainium"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+PipelineSchedule = Literal[
+    "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
+]
+# Schedules that drive several stages per rank; the V-shaped ones exactly two (rank r: stages r, 2pp−1−r).
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+# Schedules that split backward into input- and weight-gradient passes (torch refuses compiled stages).
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+Float8Recipe = Literal["none", "tensorwise", "rowwise"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
 AsyncMode = Literal["sync", "async", "async_process"]
@@ -94,7 +105,50 @@ MODEL_PRESETS: dict[str, dict[str, float]] = {
         vocab_size=128256,
         rope_theta=500000.0,
     ),
+    # Mixtral 8x7B (Jiang et al. 2024; the released config.json): Mistral 7B's attention, 8 SwiGLU experts.
+    "mixtral-8x7b": dict(
+        n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, rope_theta=1e6
+    ),
+    "tiny-moe": dict(
+        n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=2048, rope_theta=10000.0
+    ),
 }
+# The mixture-of-experts section a preset implies (a spec may still override it with its own model.moe).
+MOE_PRESETS: dict[str, dict[str, int]] = {
+    "mixtral-8x7b": dict(n_experts=8, top_k=2),
+    "tiny-moe": dict(n_experts=8, top_k=2, shared_experts=1),
+}
+
+
+class MoEConfig(Strict):
+    """Mixture-of-experts feed-forward: top-k token-choice routing, dropless (no token is ever dropped).
+
+    Load balancing is DeepSeek-V3's sequence-wise auxiliary loss: computed per sequence and averaged, so
+    any split of a batch over ranks and micro-batches gives the same gradient as the whole batch.
+    """
+
+    n_experts: int = Field(ge=2, le=4096, description="Routed experts per MoE layer.")
+    top_k: PositiveInt = Field(2, description="Experts each token is routed to.")
+    shared_experts: int = Field(
+        0, ge=0, le=64, description="Always-on experts every token also goes through (DeepSeek-style)."
+    )
+    every_n_layers: PositiveInt = Field(
+        1, description="Layers i with i % every_n_layers == every_n_layers - 1 are MoE; 1 = every layer."
+    )
+    expert_ffn_dim: PositiveInt | None = Field(
+        None, description="SwiGLU hidden size of one expert (default: model.ffn_dim)."
+    )
+    aux_loss_coef: float = Field(
+        0.01, ge=0, le=1, description="Weight of the load-balancing loss (0 turns balancing off)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(
+                f"model.moe.top_k={self.top_k} exceeds model.moe.n_experts={self.n_experts}; lower top_k"
+            )
+        return self
 
 
 class ModelConfig(Strict):
@@ -112,10 +166,13 @@ class ModelConfig(Strict):
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency (default: from preset).")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share input embedding and output projection weights.")
+    moe: MoEConfig | None = Field(None, description="Mixture-of-experts layers (default: from preset; none).")
 
     @model_validator(mode="after")
     def _fill_from_preset(self) -> ModelConfig:
         base = MODEL_PRESETS.get(self.preset, {})
+        if self.moe is None and self.preset in MOE_PRESETS:
+            object.__setattr__(self, "moe", MoEConfig(**MOE_PRESETS[self.preset]))
         missing = []
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta"):
             if getattr(self, key) is None:
@@ -142,6 +199,14 @@ class ModelConfig(Strict):
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def is_moe_layer(self, layer: int) -> bool:
+        every = self.moe.every_n_layers if self.moe else 0
+        return every > 0 and layer % every == every - 1
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return (self.moe and self.moe.expert_ffn_dim) or self.ffn_dim
+
 
 class ParallelConfig(Strict):
     """How the model is cut across chips. Degrees multiply to the world size."""
@@ -151,10 +216,21 @@ class ParallelConfig(Strict):
     tp: PositiveInt = Field(
         1, description="Tensor-parallel degree (with sequence parallel); keep within a node."
     )
+    cp: PositiveInt = Field(
+        1,
+        description="Context-parallel degree: each sequence is split over cp ranks (ring attention, "
+        "load-balanced for the causal mask); train.seq_len must be divisible by 2·cp.",
+    )
     pp: PositiveInt = Field(1, description="Pipeline-parallel stages.")
-    pp_schedule: PipelineSchedule = Field("1f1b", description="Pipeline schedule when pp > 1.")
+    pp_schedule: PipelineSchedule = Field(
+        "1f1b",
+        description="Pipeline schedule when pp > 1: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble "
+        "(ZB1P), zbv_zero_bubble (ZB-V) or dualpipev (DeepSeek); the last two need pp_virtual_stages=2.",
+    )
     pp_virtual_stages: PositiveInt = Field(
-        1, description="Model chunks per pipeline rank; >1 requires pp_schedule=interleaved_1f1b."
+        1,
+        description="Model chunks per pipeline rank; >1 needs a multi-stage pp_schedule (interleaved_1f1b, "
+        "interleaved_zero_bubble, zbv_zero_bubble, dualpipev).",
     )
     activation_checkpointing: ActivationCheckpointing = Field(
         "none", description="Recompute activations in backward: none, selective (attention), or full."
@@ -169,6 +245,17 @@ class ParallelConfig(Strict):
         "(ZeRO-3). False keeps them unsharded until backward (ZeRO-2-like, as Llama 3 trained): "
         "one all-gather fewer per step for one unsharded model copy of memory. Pipelines always keep them.",
     )
+    float8: Float8Recipe = Field(
+        "none",
+        description="fp8 matmuls in the transformer blocks (torchao.float8) on chips with fp8: tensorwise "
+        "(one dynamic scale per tensor, fastest) or rowwise (one per row, robust to outliers). Needs "
+        "mixed_precision=bf16 and tp=1; weights stay bf16/fp32 and are cast per matmul.",
+    )
+    ep: PositiveInt = Field(
+        1,
+        description="Expert-parallel degree: each MoE layer's experts are split over ep ranks carved out of "
+        "dp_shard (not an extra mesh dim), and tokens travel to their experts by all-to-all.",
+    )
 
     @property
     def dp(self) -> int:
@@ -176,14 +263,13 @@ class ParallelConfig(Strict):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
 
 class TrainConfig(Strict):
     """Batch geometry and run length."""
 
     steps: PositiveInt = Field(100, description="Optimizer steps to train for.")
-    seq_len: PositiveInt = Field(128, description="Tokens per sample.")
     global_batch_size: PositiveInt = Field(
         8, description="Sequences per optimizer step, across all replicas."
     )
@@ -192,7 +278,13 @@ class TrainConfig(Strict):
         description="Sequences per forward pass on one data-parallel rank. global / (dp × micro) "
         "micro-batches are accumulated per step (the pipeline's micro-batches when pp > 1).",
     )
+    seq_len: PositiveInt = Field(128, description="Tokens per sample.")
     log_every: PositiveInt = Field(1, description="Write a metrics line every N steps.")
+    step_line_every: PositiveInt = Field(
+        10,
+        description="Log a step line (loss, step time, tokens/s, MFU) in the run's logs every N steps; "
+        "a straggler or a slow step is logged whenever it happens.",
+    )
 
 
 class OptimizerConfig(Strict):
@@ -232,6 +324,24 @@ class CheckpointConfig(Strict):
     write_bandwidth_gbps: float = Field(
         2.0, gt=0, description="Assumed storage write bandwidth per node in GB/s (planner input)."
     )
+    memory_interval: PositiveInt | Literal["auto", "off"] = Field(
+        "off",
+        description="In-memory tier: steps between snapshots of every rank's state into host memory, each "
+        "copied to a peer on the next node; a restart restores from them before storage. 'auto': the "
+        "planner's Young/Daly optimum; 'off': storage only.",
+    )
+    memory_dir: str = Field(
+        "/dev/shm",
+        description="Host-memory (tmpfs) directory the in-memory tier keeps its snapshots in; it outlives "
+        "the training processes, so a restarted rank finds them.",
+    )
+
+    @field_validator("memory_dir")
+    @classmethod
+    def _absolute_memory_dir(cls, value: str) -> str:
+        if not posixpath.isabs(value):
+            raise ValueError(f"checkpoint.memory_dir={value!r} must be an absolute path, e.g. /dev/shm")
+        return value
 
 
 class FaultsConfig(Strict):
@@ -414,8 +524,8 @@ def layout_errors(
     errors: list[str] = []
     if parallel.world_size != hw.world_size:
         errors.append(
-            f"parallel: dp_replicate×dp_shard×tp×pp = {parallel.dp_replicate}×{parallel.dp_shard}×{parallel.tp}"
-            f"×{parallel.pp} = {parallel.world_size}, but cluster nodes×chips_per_node = {hw.nodes}×"
+            f"parallel: dp_replicate×dp_shard×cp×tp×pp = {parallel.dp_replicate}×{parallel.dp_shard}×"
+            f"{parallel.cp}×{parallel.tp}×{parallel.pp} = {parallel.world_size}, but cluster nodes×chips_per_node = {hw.nodes}×"
             f"{hw.chips_per_node} = {hw.world_size}; make the degrees multiply to the chip count"
         )
     for name in ("n_heads", "n_kv_heads"):
@@ -429,8 +539,10 @@ def layout_errors(
             f"parallel.pp×pp_virtual_stages={parallel.pp * parallel.pp_virtual_stages} must divide "
             f"model.n_layers={model.n_layers}; use pp from {_divisors(model.n_layers)}"
         )
-    if parallel.pp_virtual_stages > 1 and parallel.pp_schedule != "interleaved_1f1b":
-        errors.append("parallel.pp_virtual_stages > 1 needs parallel.pp_schedule=interleaved_1f1b")
+    errors += pipeline_schedule_errors(parallel, train)
+    errors += expert_parallel_errors(model, parallel)
+    errors += context_parallel_errors(model, parallel, train)
+    errors += float8_errors(parallel, hw)
     if model.tie_embeddings and parallel.pp > 1:
         # The embedding sits on the first stage and the output head on the last: they cannot share a tensor.
         errors.append("model.tie_embeddings needs parallel.pp=1; set tie_embeddings=false or pp=1")
@@ -448,6 +560,118 @@ def layout_errors(
                 f"pipeline micro-batches global/(dp×micro)={microbatches} must be a positive multiple of "
                 f"parallel.pp={parallel.pp}; raise train.global_batch_size or lower train.micro_batch_size"
             )
+    return errors
+
+
+def pipeline_schedule_errors(parallel: ParallelConfig, train: TrainConfig) -> list[str]:
+    """What torch.distributed.pipelining's schedules need of stages per rank and micro-batches."""
+    schedule, v = parallel.pp_schedule, parallel.pp_virtual_stages
+    errors = []
+    if v > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+        errors.append(
+            f"parallel.pp_virtual_stages > 1 needs a multi-stage parallel.pp_schedule "
+            f"({', '.join(MULTI_STAGE_SCHEDULES)}), not {schedule}"
+        )
+    if parallel.pp > 1 and schedule in V_SCHEDULES and v != 2:
+        errors.append(
+            f"parallel.pp_schedule={schedule} places exactly two stages per rank in a V; "
+            "set parallel.pp_virtual_stages=2"
+        )
+    if parallel.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES and parallel.compile:
+        errors.append(
+            f"parallel.pp_schedule={schedule} splits backward into input and weight passes, which torch "
+            "does not support on compiled blocks; set parallel.compile=false or pp_schedule=interleaved_1f1b"
+        )
+    per_step = parallel.dp * train.micro_batch_size
+    microbatches = train.global_batch_size // per_step
+    if parallel.pp > 1 and schedule == "dualpipev" and microbatches < 2 * parallel.pp:
+        errors.append(
+            f"parallel.pp_schedule=dualpipev needs at least 2·pp={2 * parallel.pp} micro-batches (one per "
+            f"stage), got global/(dp×micro)={microbatches}; raise train.global_batch_size or lower "
+            "train.micro_batch_size"
+        )
+    return errors
+
+
+def float8_errors(parallel: ParallelConfig, hw: HardwareConfig) -> list[str]:
+    """fp8 needs fp8 matmul units, bf16 around them, and torchao's own TP plans (not wired in)."""
+    recipe = parallel.float8
+    if recipe == "none":
+        return []
+    errors = []
+    # torchao.float8 runs on CUDA's fp8 matmul (torch._scaled_mm); Trainium2's fp8 is not reached by it.
+    with_fp8 = [name for name, c in CHIPS.items() if c.peak_fp8_flops and c.accelerator == "gpu"]
+    if hw.chip in CHIPS and hw.chip not in with_fp8:
+        errors.append(
+            f"parallel.float8={recipe} needs a GPU with fp8 matmuls, but chip {hw.chip!r} has none; "
+            f"set parallel.float8=none or use one of {', '.join(with_fp8)}"
+        )
+    if parallel.mixed_precision != "bf16":
+        errors.append(f"parallel.float8={recipe} needs parallel.mixed_precision=bf16")
+    if parallel.tp > 1:
+        errors.append(
+            f"parallel.float8={recipe} with parallel.tp={parallel.tp} is not supported (fp8 tensor "
+            "parallelism needs torchao's float8 TP plans); set tp=1 or float8=none"
+        )
+    return errors
+
+
+def context_parallel_errors(model: ModelConfig, parallel: ParallelConfig, train: TrainConfig) -> list[str]:
+    """CP gives each rank two of 2·cp equal sequence chunks (load balancing for the causal mask)."""
+    if parallel.cp == 1:
+        return []
+    errors = []
+    chunks = 2 * parallel.cp * parallel.tp  # sequence parallel splits each rank's share again by tp
+    if train.seq_len % chunks:
+        errors.append(
+            f"train.seq_len={train.seq_len} must be divisible by 2·cp·tp={chunks} (each cp rank holds "
+            f"2 of 2·cp chunks, split again over tp); e.g. seq_len={max(chunks, train.seq_len // chunks * chunks)}"
+        )
+    if parallel.pp > 1:
+        errors.append(
+            f"parallel.cp={parallel.cp} with parallel.pp={parallel.pp} is not supported (pipeline stages do "
+            "not run ring attention); set pp=1 or cp=1"
+        )
+    if model.moe is not None:
+        # Its load-balancing loss is per whole sequence, and expert FSDP does not average over cp ranks.
+        errors.append(
+            f"parallel.cp={parallel.cp} with a mixture-of-experts model (model.moe) is not supported; set cp=1"
+        )
+    if parallel.compile:
+        errors.append(
+            "parallel.compile with parallel.cp > 1 is not supported (ring attention's point-to-point "
+            "exchange does not trace into a full graph); set compile=false"
+        )
+    return errors
+
+
+def expert_parallel_errors(model: ModelConfig, parallel: ParallelConfig) -> list[str]:
+    """EP splits experts evenly over ranks that are FSDP shard ranks too (torchtitan's carving)."""
+    if model.moe is not None and parallel.compile:  # tokens per expert are data-dependent: no full graph
+        return [
+            "model.moe does not compile per block (data-dependent expert splits); set parallel.compile=false"
+        ]
+    if model.moe is not None and parallel.pp > 1:  # not checked against the reference yet
+        return ["model.moe with parallel.pp > 1 is not supported yet; set parallel.pp=1"]
+    if parallel.ep == 1:
+        return []
+    if model.moe is None:
+        return [f"parallel.ep={parallel.ep} needs a mixture-of-experts model; set model.moe or parallel.ep=1"]
+    errors = []
+    if model.moe.n_experts % parallel.ep:
+        errors.append(
+            f"parallel.ep={parallel.ep} must divide model.moe.n_experts={model.moe.n_experts}; "
+            f"use ep from {_divisors(model.moe.n_experts)}"
+        )
+    if parallel.dp_shard % parallel.ep:
+        errors.append(
+            f"parallel.ep={parallel.ep} must divide parallel.dp_shard={parallel.dp_shard} (expert-parallel "
+            f"ranks are carved out of the FSDP shard ranks); use ep from {_divisors(parallel.dp_shard)}"
+        )
+    if parallel.cp > 1:  # the experts' FSDP group would also have to span cp, which is not built yet
+        errors.append(
+            f"parallel.ep={parallel.ep} with parallel.cp={parallel.cp} is not supported; set one to 1"
+        )
     return errors
 
 
@@ -487,6 +711,11 @@ class JobConfig(Strict):
     )
     checkpoint_interval_steps: PositiveInt | None = Field(
         None, description="Resolved interval (the planner fills it when checkpoint.interval is 'auto')."
+    )
+    memory_interval_steps: PositiveInt | None = Field(
+        None,
+        description="Resolved in-memory snapshot interval (the planner fills it for checkpoint.memory_interval "
+        "'auto'); None: the in-memory tier is off.",
     )
 
     @model_validator(mode="after")

@@ -8,15 +8,22 @@ torchrun entry point resolves what it reads again only so that a hand-written ``
 from __future__ import annotations
 
 from trainer.config import JobConfig
-from trainer.plan import resolve_checkpoint_interval
+from trainer.plan import resolve_checkpoint_interval, resolve_memory_interval
 from trainer.rundir import RunDir
 
 
 def resolve_job(job: JobConfig, run_dir: RunDir) -> JobConfig:
     """``job`` with ``checkpoint.url`` defaulted to the run's (absolute, so every process agrees on it)
-    and ``checkpoint_interval_steps`` fixed (the planner's Young/Daly optimum for ``interval: auto``)."""
+    and both tiers' intervals fixed (the planner's Young/Daly optima for ``auto``; see trainer.plan)."""
     checkpoint = job.checkpoint
     if checkpoint.url is None:
         checkpoint = checkpoint.model_copy(update={"url": str(run_dir.checkpoints.resolve())})
     interval = job.checkpoint_interval_steps or resolve_checkpoint_interval(job)
-    return job.model_copy(update={"checkpoint": checkpoint, "checkpoint_interval_steps": interval})
+    memory = job.memory_interval_steps or resolve_memory_interval(job)
+    return job.model_copy(
+        update={
+            "checkpoint": checkpoint,
+            "checkpoint_interval_steps": interval,
+            "memory_interval_steps": memory,
+        }
+    )

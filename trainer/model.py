@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trainer.config import ModelConfig
+from trainer.moe import MoE
 
 # Small init for projections (GPT-2 / Llama practice); residual outputs shrink with depth so the
 # residual stream's variance at init does not grow with the number of blocks.
@@ -49,6 +51,14 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Causal SDPA of q [B, H, T, head_dim] over k, v [B, H_kv, T, head_dim]; H / H_kv query heads share
+    each key/value head."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention; n_heads / n_kv_heads query heads share each key/value head."""
 
@@ -59,6 +69,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Pluggable so context parallelism can swap in ring attention over its sequence chunks.
+        self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
         batch, seq, _ = x.shape
@@ -67,35 +79,41 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        group = q.shape[2] // k.shape[2]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attend(*(t.transpose(1, 2) for t in (q, k, v)))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+    """Layer's FFN: dense SwiGLU, or a mixture of experts (shared experts are one SwiGLU of their total width)."""
+    if not cfg.is_moe_layer(layer):
+        return FeedForward(cfg.dim, cfg.ffn_dim)
+    hidden, n_shared = cfg.expert_ffn_dim, cfg.moe.shared_experts
+    shared = FeedForward(cfg.dim, n_shared * hidden) if n_shared else None
+    return MoE(cfg.dim, hidden, cfg.moe, shared)
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(.))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = feed_forward(cfg, layer)
 
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
@@ -110,7 +128,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.max_seq_len = max_seq_len
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -155,7 +173,7 @@ class Transformer(nn.Module):
             return self.cfg.dim**-0.5 if self.cfg.tie_embeddings else 1.0
         if name == "output.weight":
             return self.cfg.dim**-0.5
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             return INIT_STD / math.sqrt(2 * self.cfg.n_layers)
         return INIT_STD
 

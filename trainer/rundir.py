@@ -53,6 +53,11 @@ class RunDir:
         return self.path / "user_error.json"
 
     @property
+    def goodput(self) -> Path:
+        """``goodput.jsonl``: where the run's wall time went (trainer intervals, launches; trainer.goodput)."""
+        return self.path / "goodput.jsonl"
+
+    @property
     def attempts(self) -> Path:
         """``attempts.jsonl``: the failed training attempts across Prefect retries."""
         return self.path / "attempts.jsonl"

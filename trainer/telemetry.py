@@ -9,6 +9,7 @@ all-gather that one float; rank 0 writes the slowest rank into ``metrics.jsonl``
 from __future__ import annotations
 
 import logging
+import resource
 import statistics
 
 import torch
@@ -26,6 +27,15 @@ def gather_host_times(host_s: float, device: torch.device) -> list[float]:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     return [t.item() for t in everyone]
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far, for planned vs measured: the accelerator allocator's high-water
+    mark, or on CPU the process's peak resident set (which also counts the Python runtime and torch's
+    libraries, so it reads above the planner's per-chip figure)."""
+    if device.type == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return torch.accelerator.max_memory_allocated(device)
 
 
 def straggler_fields(step: int, host_times: list[float]) -> dict[str, float | int | bool]:

@@ -35,6 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.backends import get_backend, get_chip
 from trainer.backends.base import local_rank
 from trainer.checkpoint import CheckpointError, CheckpointManager, ModelOptimizerState, RNGState
+from trainer.checkpoint.memory import HostMemoryTier, memory_directory
 from trainer.config import JobConfig
 from trainer.data import StepLoader, build_loader
 from trainer.data.errors import DataError
@@ -49,6 +50,7 @@ from trainer.failures import (
     restarted_after_user_error,
 )
 from trainer.fault_injection import FaultInjector
+from trainer.goodput import GoodputRecorder, process_started_at
 from trainer.job import resolve_job
 from trainer.metrics import MetricsWriter, mirror_of
 from trainer.optim import build_optimizer, build_scheduler
@@ -56,7 +58,7 @@ from trainer.parallel import ParallelModel, build_parallel_model
 from trainer.plan import plan_for_job
 from trainer.preemption import Preempted, PreemptionWatch
 from trainer.rundir import RunDir
-from trainer.telemetry import gather_host_times, straggler_fields
+from trainer.telemetry import gather_host_times, peak_memory_bytes, straggler_fields
 from trainer.watchdog import StepWatchdog
 
 log = logging.getLogger("tessera.train")
@@ -82,6 +84,7 @@ class Session:
     loader: StepLoader
     state: dict[str, Stateful]
     ckpt: CheckpointManager
+    memory: HostMemoryTier | None  # the in-memory tier, when checkpoint.memory_interval is not 'off'
     faults: FaultInjector
     preemption: PreemptionWatch
 
@@ -116,7 +119,36 @@ def open_session(job: JobConfig) -> Session:
         layout=job.parallel.model_dump(),
         faults=faults,
     )
-    return Session(job, rank, device, model, optimizers, loader, state, ckpt, faults, PreemptionWatch(device))
+    memory = None
+    if job.memory_interval_steps is not None:
+        memory = HostMemoryTier(
+            memory_directory(job),
+            job.memory_interval_steps,
+            rank,
+            world,
+            job.hardware.chips_per_node,
+            job.faults.collective_timeout_s,
+        )
+    return Session(
+        job, rank, device, model, optimizers, loader, state, ckpt, memory, faults, PreemptionWatch(device)
+    )
+
+
+def restore(session: Session) -> tuple[int, str]:
+    """Own host memory → a peer's host memory → storage: the newest step every rank can restore, from
+    the fastest tier that has it. Returns the step (0: a fresh start) and where it came from."""
+    from_memory = None
+    if session.memory is not None:  # only if at least as new as storage's newest
+        from_memory = session.memory.restore(session.state, not_older_than=session.ckpt.newest_step())
+    if from_memory is not None:
+        session.ckpt.remove_partials()
+        step, source = from_memory.step, from_memory.detail
+    else:
+        manifest = session.ckpt.restore(session.state)
+        step, source = (manifest.step, manifest.url) if manifest is not None else (0, "")
+    if session.memory is not None:
+        session.memory.discard_after(step)  # snapshots past it belong to the abandoned timeline
+    return step, source
 
 
 def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
@@ -127,16 +159,24 @@ def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
     """
     job = resolve_job(job, run_dir)
     session = open_session(job)
+    goodput = GoodputRecorder(run_dir.goodput, enabled=session.rank == 0)
+    ready = time.time()
+    goodput.write("startup", process_started_at(), ready)
     try:
-        restored = session.ckpt.restore(session.state)
-        start = restored.step if restored is not None else 0
-        if restored is not None:
-            log.info("resumed from step %d (%s)", start, restored.url)
-        loss = run_steps(session, start, run_dir)
+        start, source = restore(session)
+        goodput.write("restore", ready, time.time(), step=start)
+        if start:
+            log.info("resumed from step %d (%s)", start, source)
+        loss = run_steps(session, start, run_dir, goodput)
     finally:
+        closing = time.time()
         session.ckpt.close()  # also on errors: finish committing the last good checkpoint
+        goodput.checkpoint(None, closing, time.time())  # waiting for the save in flight
+        goodput.close()
         session.loader.close()
     dist.barrier()  # rank 0 commits asynchronously: after this, every rank sees the final checkpoint
+    if session.memory is not None:
+        session.memory.discard()  # the final checkpoint is stored: free the host memory
     final = session.ckpt.latest()
     result = TrainResult(job.train.steps, loss, start or None, final.url if final else None)
     if session.rank == 0:
@@ -144,9 +184,10 @@ def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
     return result
 
 
-def run_steps(session: Session, start: int, run_dir: RunDir) -> float | None:
+def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRecorder) -> float | None:
     """Steps ``start + 1`` .. ``train.steps``: each trained, logged on log steps, and checkpointed on
-    the interval and at the end. Returns the last step's loss (None if there was no step to run)."""
+    the interval and at the end; each step's and save's wall time goes to ``goodput``. Returns the last
+    step's loss (None if there was no step to run)."""
     job, model = session.job, session.model
     schedulers = [
         build_scheduler(opt, job.optimizer, job.train.steps, steps_done=start) for opt in session.optimizers
@@ -163,32 +204,63 @@ def run_steps(session: Session, start: int, run_dir: RunDir) -> float | None:
     with StepWatchdog(job.faults.step_timeout_s, session.rank) as watchdog, metrics:
         for step in range(start + 1, job.train.steps + 1):
             watchdog.arm(step)
-            began = time.perf_counter()
+            began, began_wall = time.perf_counter(), time.time()
             session.faults.before_step(step, session.rank, job.parallel.world_size)
+            clock = PhaseClock(began)
             inputs, targets = next(session.loader)
+            clock.lap("data")
             logged = step % job.train.log_every == 0 or step == job.train.steps
             host_times = telemetry.host_times(began) if logged else []
+            clock.lap("telemetry")
             loss = _forward_backward(model, inputs, targets, n_micro, first=step == start + 1)
             loss_value = _finite(session.faults.loss(step, loss).item(), step, job)
+            clock.lap("forward_backward")
             grad_norm = model.clip_grad_norm_(job.optimizer.grad_clip or math.inf).item()  # inf: never clip
+            clock.lap("clip")
             lr = session.optimizers[0].param_groups[0]["lr"]
             for optimizer, scheduler in zip(session.optimizers, schedulers, strict=True):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            clock.lap("optimizer")
             if logged:
                 metrics.write(
                     telemetry.record(step, loss_value, lr, grad_norm, time.perf_counter() - began, host_times)
                     | telemetry.tokens_by_source(session.loader.source_samples())
+                    | clock.seconds
                 )
             # A checkpoint write may legitimately outlast a step; the collective timeout bounds it.
             watchdog.disarm()
             meta = {"tokens": step * telemetry.tokens_per_step, "loss": loss_value}
             stop = session.preemption.agreed()
-            session.ckpt.maybe_save(step, session.state, meta=meta, force=step == job.train.steps or stop)
+            saving = time.time()
+            goodput.step(step, began_wall, saving)
+            force = step == job.train.steps or stop
+            session.ckpt.maybe_save(step, session.state, meta=meta, force=force)
+            if force or step % session.ckpt.interval_steps == 0:
+                goodput.checkpoint(step, saving, time.time())
+            if session.memory is not None:
+                snapping = time.time()
+                session.memory.maybe_snapshot(step, session.state)  # blocked: memory.last_stall_s
+                if step % session.memory.interval_steps == 0:
+                    goodput.snapshot(step, snapping, time.time())
             if stop:
                 raise Preempted(step)
     return loss_value
+
+
+class PhaseClock:
+    """Seconds spent in each phase of one step (``data_s``, ``forward_backward_s``, ...), written with
+    the step's metrics so that a slow step, or a regression in a benchmark, names the phase it is in."""
+
+    def __init__(self, began: float) -> None:
+        self.last = began
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[f"{phase}_s"] = now - self.last
+        self.last = now
 
 
 class StepTelemetry:
@@ -218,6 +290,7 @@ class StepTelemetry:
             "tokens_per_s": self.tokens_per_step / step_time,
             "step_time_s": step_time,
             "mfu": self.flops_per_step / (step_time * self.peak_flops),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
             **(straggler_fields(step, host_times) if self.rank == 0 else {}),
         }
 

@@ -3,7 +3,7 @@
 Run by tests/test_parallel.py. Each layout is built with ``build_parallel_model`` in the same processes
 (one launch for all of them), trains STEPS AdamW steps on identical global batches, and rank 0 writes
 {"reference": {"untied"|"tied": curves}, "layouts": {name: curves + "stored_copies" + its config}}
-to argv[1]. stored_copies is how many times the parameters are held across all ranks (1 when fully
+to argv[1], plus "ring_attention_error" and "cp_reshard_error" (tests/dist/cp_checks.py). stored_copies is how many times the parameters are held across all ranks (1 when fully
 sharded, dp_replicate under HSDP). Every layout must also expose exactly the reference model's
 state-dict FQNs (checkpoints reshard across layouts by name).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,8 +21,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from tests.dist.cp_checks import reshard_max_error, ring_attention_max_error
 from trainer.config import JobConfig
 from trainer.model import Transformer, param_count
+from trainer.moe import MoE
 from trainer.parallel import ParallelModel, build_parallel_model, token_loss
 
 WORLD = 4
@@ -32,6 +35,12 @@ MODEL = dict(
     preset="custom", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256, rope_theta=1e4
 )
 TIED = {**MODEL, "tie_embeddings": True}
+# Every other layer a mixture of experts (4 routed, top-2, one shared); a large balancing weight so the
+# auxiliary loss visibly shapes the gradients.
+MOE = {
+    **MODEL,
+    "moe": dict(n_experts=4, top_k=2, shared_experts=1, every_n_layers=2, expert_ffn_dim=64, aux_loss_coef=0.1),
+}
 
 # name -> (model dims, parallel section). Every layout uses all 4 processes.
 SHARDED_INIT = "ddp2_tp2_sharded_init"  # run after LAYOUTS: built on meta, only local shards initialized
@@ -48,7 +57,21 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         dict(pp=2, dp_shard=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2),
     ),
     "pp2_tp2_1f1b": (MODEL, dict(pp=2, tp=2, pp_schedule="1f1b")),
+    "pp2_dp2_interleaved_zb": (
+        MODEL,
+        dict(pp=2, dp_shard=2, pp_schedule="interleaved_zero_bubble", pp_virtual_stages=2),
+    ),
+    "pp2_dp2_zbv": (MODEL, dict(pp=2, dp_shard=2, pp_schedule="zbv_zero_bubble", pp_virtual_stages=2)),
+    # DualPipeV needs a micro-batch per stage (4): tp instead of dp keeps the whole batch on each pp rank.
+    "pp2_tp2_dualpipev": (MODEL, dict(pp=2, tp=2, pp_schedule="dualpipev", pp_virtual_stages=2)),
     "fsdp4_bf16": (MODEL, dict(dp_shard=4, mixed_precision="bf16")),
+    "cp2_fsdp2": (MODEL, dict(dp_shard=2, cp=2)),
+    "cp2_tp2_full_ac": (MODEL, dict(cp=2, tp=2, activation_checkpointing="full")),
+    "moe_fsdp4": (MOE, dict(dp_shard=4)),
+    "moe_ep2_fsdp2": (MOE, dict(dp_shard=4, ep=2)),
+    "moe_hsdp2x2_ep2": (MOE, dict(dp_replicate=2, dp_shard=2, ep=2)),  # experts replicated, not sharded
+    # dp 2 → 2 micro-batches per rank: checks the auxiliary loss is weighed like each micro-batch's loss.
+    "moe_ep2_tp2": (MOE, dict(dp_shard=2, tp=2, ep=2)),
 }
 
 
@@ -138,6 +161,14 @@ def stored_copies(pm: ParallelModel, job: JobConfig) -> float:
         return total.item() / param_count(Transformer(job.model, max_seq_len=SEQ_LEN))
 
 
+def moe_fraction(job: JobConfig) -> float:
+    """Share of the parameters in MoE layers, which TP leaves whole on every tp rank."""
+    with torch.device("meta"):
+        model = Transformer(job.model, max_seq_len=SEQ_LEN)
+    moe = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.parameters())
+    return moe / param_count(model)
+
+
 def check_fqns(pm: ParallelModel, job: JobConfig) -> None:
     """The union of every rank's state-dict keys is exactly the unsplit model's, wrappers stripped."""
     local = {key for part in pm.parts for key in get_model_state_dict(part)}
@@ -155,10 +186,28 @@ def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     assert dist.get_world_size() == WORLD, f"run with --nproc-per-node {WORLD}"
     results: dict[str, Any] = {"reference": {}, "layouts": {}}
+    results["ring_attention_error"] = ring_attention_max_error()
+    # A CP run's checkpoint loads into plain FSDP, and a plain one into CP×FSDP (DCP reshards by name).
+    results["cp_reshard_error"] = {
+        f"{saved}->{loaded}": reshard_max_error(
+            job_for(MODEL, LAYOUTS[saved][1]),
+            job_for(MODEL, LAYOUTS[loaded][1]),
+            Path(out_path).parent / saved,
+        )
+        for saved, loaded in (("cp2_tp2_full_ac", "fsdp4"), ("fsdp4", "cp2_fsdp2"))
+    }
+    # Experts split over ep ranks load into plain FSDP, and back into EP×TP.
+    results["moe_reshard_error"] = {
+        f"{saved}->{loaded}": reshard_max_error(
+            job_for(MOE, LAYOUTS[saved][1]), job_for(MOE, LAYOUTS[loaded][1]), Path(out_path).parent / saved
+        )
+        for saved, loaded in (("moe_ep2_fsdp2", "moe_fsdp4"), ("moe_fsdp4", "moe_ep2_tp2"))
+    }
     if dist.get_rank() == 0:
         results["reference"] = {
             "untied": train_reference(job_for(MODEL, {"dp_shard": WORLD})),
             "tied": train_reference(job_for(TIED, {"dp_shard": WORLD})),
+            "moe": train_reference(job_for(MOE, {"dp_shard": WORLD})),
         }
     runs = [(name, model, parallel, True) for name, (model, parallel) in LAYOUTS.items()]
     # The large-model path: built on meta, parallelized, then only local shards are initialized.
@@ -171,6 +220,8 @@ def main(out_path: str) -> None:
             seconds=time.perf_counter() - start,
             parallel=job.parallel.model_dump(),
             tied=job.model.tie_embeddings,
+            reference="moe" if job.model.moe else "tied" if job.model.tie_embeddings else "untied",
+            moe_fraction=moe_fraction(job),
             init="whole" if init_whole else "sharded",
         )
         results["layouts"][name] = run

@@ -103,8 +103,7 @@ class CheckpointManager:
         size check against the manifest (one listing); flipped bytes are left to the validation task,
         since hashing every shard at each resume would cost minutes on a large model.
         """
-        if self.rank == 0:
-            self._remove_partials()
+        self.remove_partials()
         touched = False  # a failed load may have overwritten part of ``state``
         for manifest in reversed([m for m in list_checkpoints(self.url) if m.good]):
             problem = self._rank0_says(_size_problem(manifest) if self.rank == 0 else "")
@@ -295,10 +294,17 @@ class CheckpointManager:
         log.info("committed checkpoint %s (%d files)", step_url, len(manifest.files))
         self._retain()
 
-    def _remove_partials(self) -> None:
-        """Delete what killed saves left (step directories without a manifest) before training: the
-        launcher holds the location's lease, so no save is in flight, and on a full disk their space
-        is what the first new checkpoint needs."""
+    def newest_step(self) -> int:
+        """The newest good checkpoint's step as rank 0 lists it (0 if none), on every rank."""
+        latest = self.latest() if self.rank == 0 else None
+        return int(self._rank0_says(str(latest.step if latest else 0)))
+
+    def remove_partials(self) -> None:
+        """Rank 0 deletes what killed saves left (step directories without a manifest) before training:
+        the launcher holds the location's lease, so no save is in flight, and on a full disk their
+        space is what the first new checkpoint needs."""
+        if self.rank != 0:
+            return
         for step_url in step_dirs(self.url).values():
             if read_manifest(step_url) is None:
                 log.info("removing %s: a save that never committed", step_url)

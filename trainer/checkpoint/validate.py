@@ -5,12 +5,19 @@ separate process group of a *different* world size than the save loads every ten
 the metadata alone (no model code), and checks they are finite. A corrupt checkpoint is skipped by
 ``CheckpointManager.latest``, which falls back to the previous good one.
 
-The loading half runs as ``python -m trainer.checkpoint.validate STEP_URL`` (under torchrun when the
-world size is > 1) and prints one JSON line: {"ok": bool, "reason": str, "tensors": int}.
+The load is streamed: tensors are read in groups of at most ``budget_bytes`` (one ``dcp.load`` of a
+partial state dict per group, built from the ``.metadata`` alone) and dropped once checked, so a
+loading process holds about the budget plus the saved chunk being read, never the whole model
+(~96 GB for an 8B model with its optimizer state). That is what lets validation run in a small
+orchestrator pod for any model size.
+
+The loading half runs as ``python -m trainer.checkpoint.validate STEP_URL [--budget-bytes N]`` (under
+torchrun when the world size is > 1) and prints one JSON line: {"ok": bool, "reason": str, "tensors": int}.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -23,7 +30,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor as dtensor
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -33,8 +40,12 @@ from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.checkpoint.manifest import Manifest, check_model, digest_files, read_manifest, write_manifest
 from trainer.config import JobConfig
 from trainer.launch import torchrun_command
+from trainer.units import MiB
 
 LOAD_TIMEOUT_S = 1800.0
+# Tensor bytes one loading process holds at a time: far below the 4 GiB orchestrator pod, large enough
+# that a group's read is a few big sequential reads rather than one request per small tensor.
+BUDGET_BYTES = 256 * MiB
 
 
 @dataclass
@@ -52,11 +63,14 @@ class ValidationResult:
         return self.status == "validated"
 
 
-def validate_checkpoint(step_url: str, job: JobConfig, world_size: int = 1) -> ValidationResult:
+def validate_checkpoint(
+    step_url: str, job: JobConfig, world_size: int = 1, budget_bytes: int = BUDGET_BYTES
+) -> ValidationResult:
     """Validate one checkpoint directory and record the verdict in its manifest.
 
     ``world_size`` is the loading world size; if it equals the saved one, 1 (or 2 for a single-process
-    save) is used instead, so resharding is always exercised.
+    save) is used instead, so resharding is always exercised. ``budget_bytes`` bounds the tensor bytes
+    each loading process holds at once.
     """
     start = time.perf_counter()
     step_url = step_url.rstrip("/")
@@ -67,7 +81,7 @@ def validate_checkpoint(step_url: str, job: JobConfig, world_size: int = 1) -> V
     check_model(manifest, job.model_fingerprint())
     if world_size == manifest.world_size:
         world_size = 2 if manifest.world_size == 1 else 1
-    reason = _integrity_problem(manifest) or _load_problem(step_url, world_size)
+    reason = _integrity_problem(manifest) or _load_problem(step_url, world_size, budget_bytes)
     manifest.status, manifest.reason = ("corrupt", reason) if reason else ("validated", "")
     if _exists(step_url):  # retention may have deleted it meanwhile: don't resurrect a lone manifest
         write_manifest(step_url, manifest)
@@ -105,9 +119,9 @@ def _integrity_problem(manifest: Manifest) -> str:
     return ""
 
 
-def _load_problem(step_url: str, world_size: int) -> str:
+def _load_problem(step_url: str, world_size: int, budget_bytes: int) -> str:
     """Load every tensor in a fresh process group of ``world_size``; '' if all load and are finite."""
-    module = ["-m", "trainer.checkpoint.validate", step_url]
+    module = ["-m", "trainer.checkpoint.validate", step_url, f"--budget-bytes={budget_bytes}"]
     # The job file and run directory are arguments of the default entry only: this one needs neither.
     command = (
         [sys.executable, *module]
@@ -126,11 +140,34 @@ def _load_problem(step_url: str, world_size: int) -> str:
     return "" if verdict["ok"] else verdict["reason"]
 
 
-def _empty_like_saved(metadata: Metadata, mesh: DeviceMesh | None) -> dict[str, Any]:
-    """A flat state dict shaped like the checkpoint: tensors sharded on dim 0 over ``mesh`` (a layout
-    the save never had), placeholders for pickled objects."""
-    state: dict[str, Any] = {}
+def saved_bytes(meta: TensorStorageMetadata | BytesStorageMetadata) -> int:
+    """Bytes of one saved tensor; 0 for a pickled value (RNG and loader state: small)."""
+    if not isinstance(meta, TensorStorageMetadata):
+        return 0
+    return meta.size.numel() * meta.properties.dtype.itemsize
+
+
+def tensor_groups(metadata: Metadata, budget_bytes: int) -> list[list[str]]:
+    """The checkpoint's keys in groups whose tensors total at most ``budget_bytes``; a tensor larger
+    than the budget is a group of its own."""
+    groups: list[list[str]] = [[]]
+    held = 0
     for key, meta in metadata.state_dict_metadata.items():
+        size = saved_bytes(meta)
+        if groups[-1] and held + size > budget_bytes:
+            groups.append([])
+            held = 0
+        groups[-1].append(key)
+        held += size
+    return groups
+
+
+def _empty_like_saved(metadata: Metadata, keys: list[str], mesh: DeviceMesh | None) -> dict[str, Any]:
+    """A flat state dict of ``keys`` shaped like the checkpoint: tensors sharded on dim 0 over ``mesh``
+    (a layout the save never had), placeholders for pickled objects."""
+    state: dict[str, Any] = {}
+    for key in keys:
+        meta = metadata.state_dict_metadata[key]
         if not isinstance(meta, TensorStorageMetadata):
             state[key] = None
         elif mesh is None:
@@ -158,27 +195,36 @@ def _nonfinite(state: dict[str, Any]) -> list[str]:
     return [k for k, flag in zip(keys, bad.tolist(), strict=True) if flag]
 
 
-def load_and_check(step_url: str) -> dict[str, Any]:
+def load_and_check(step_url: str, budget_bytes: int = BUDGET_BYTES) -> dict[str, Any]:
+    """Load every tensor of the checkpoint, one group of at most ``budget_bytes`` at a time, and check
+    each is finite; the verdict as :func:`main` prints it."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mesh = init_device_mesh("cpu", (world_size,)) if world_size > 1 else None
     reader = store.storage_reader(step_url)
-    state = _empty_like_saved(reader.read_metadata(), mesh)
-    try:
-        store.load(state, step_url, no_dist=mesh is None, reader=reader)
-    except Exception as exc:
-        return {"ok": False, "reason": f"load into world size {world_size} failed: {exc}".splitlines()[0]}
-    bad = _nonfinite(state)
+    metadata = reader.read_metadata()
+    tensors, bad = 0, []
+    for keys in tensor_groups(metadata, budget_bytes):
+        state = _empty_like_saved(metadata, keys, mesh)
+        try:
+            store.load(state, step_url, no_dist=mesh is None, reader=reader)
+        except Exception as exc:
+            return {"ok": False, "reason": f"load into world size {world_size} failed: {exc}".splitlines()[0]}
+        bad += _nonfinite(state)
+        tensors += sum(isinstance(v, torch.Tensor) for v in state.values())
+        del state  # before the next group is allocated
     if bad:
-        return {"ok": False, "reason": f"non-finite values in {len(bad)} tensors, e.g. {bad[0]}"}
-    return {"ok": True, "reason": "", "tensors": sum(isinstance(v, torch.Tensor) for v in state.values())}
+        return {"ok": False, "reason": f"non-finite values in {len(bad)} tensors, e.g. {sorted(bad)[0]}"}
+    return {"ok": True, "reason": "", "tensors": tensors}
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        sys.exit("usage: python -m trainer.checkpoint.validate STEP_URL")
+    parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint.validate")
+    parser.add_argument("step_url")
+    parser.add_argument("--budget-bytes", type=int, default=BUDGET_BYTES)
+    args = parser.parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
-    verdict = load_and_check(argv[0])
+    verdict = load_and_check(args.step_url, args.budget_bytes)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps(verdict), flush=True)
     if dist.is_initialized():

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import io
 import os
+import tarfile
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -152,6 +153,7 @@ class ShardReader:
 
 def decode_shard(data: bytes, dtype: TokenDtype, sample_len: int, name: str) -> np.ndarray:
     """All samples of a shard as an array [samples, sample_len], in stored order."""
+    _check_members(data, np.dtype(dtype).itemsize * sample_len, name)
     try:
         members = group_by_keys(tar_file_expander([{"url": name, "stream": io.BytesIO(data)}]))
         rows = [np.frombuffer(sample[TOKENS_EXT], dtype=dtype) for sample in members]
@@ -160,6 +162,29 @@ def decode_shard(data: bytes, dtype: TokenDtype, sample_len: int, name: str) -> 
     if not rows or any(len(row) != sample_len for row in rows):
         raise DataError(f"shard {name} holds samples of the wrong length (want {sample_len} tokens)")
     return np.stack(rows)
+
+
+def _check_members(data: bytes, sample_bytes: int, name: str) -> None:
+    """Refuse a shard that would expand beyond its own bytes before anything is extracted.
+
+    A manifest's sha256 only proves the shard is the one that was listed, not that it is harmless: a
+    compressed tar (which ``tarfile`` would open transparently) or a sparse member can expand a
+    megabyte into gigabytes. tessera writes plain tars whose members are one sample's tokens, so
+    anything compressed, sparse or larger than a sample is not a tessera shard. Only the headers are
+    read here.
+    """
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for member in tar:
+                if member.issparse() or member.size > sample_bytes:
+                    raise DataError(
+                        f"shard {name} has a member {member.name!r} of {member.size} bytes; a tessera "
+                        f"shard holds plain samples of {sample_bytes} bytes: re-run data preparation"
+                    )
+    except tarfile.ReadError as error:
+        raise DataError(
+            f"shard {name} is not a plain (uncompressed) tar of token samples ({error}); re-run data preparation"
+        ) from error
 
 
 def fetch_shard(url: str, shard: ShardInfo, dtype: TokenDtype, sample_len: int) -> np.ndarray:

@@ -7,6 +7,9 @@ compile / FSDP / PP), ``model.forward_backward(inputs, targets, n_microbatches)`
 
 from trainer.parallel.activation import apply_ac
 from trainer.parallel.compile import apply_compile
+from trainer.parallel.context import apply_cp
+from trainer.parallel.expert import apply_ep
+from trainer.parallel.float8 import apply_float8
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.mesh import MESH_DIMS, build_mesh, dp_mesh
 from trainer.parallel.parallel_model import ParallelModel, build_parallel_model, token_loss
@@ -18,6 +21,9 @@ __all__ = [
     "ParallelModel",
     "apply_ac",
     "apply_compile",
+    "apply_cp",
+    "apply_ep",
+    "apply_float8",
     "apply_fsdp",
     "apply_tp",
     "build_mesh",

@@ -17,6 +17,9 @@ from torch.distributed.pipelining import PipelineStage
 
 from trainer.config import JobConfig, PipelineSchedule
 from trainer.model import Transformer, param_count
+from trainer.moe import auxiliary_loss_scale
+from trainer.parallel.context import shard_sequence
+from trainer.parallel.fsdp import defer_gradient_reduction
 from trainer.parallel.grad_norm import clip_grad_norm_
 from trainer.parallel.mesh import build_mesh, dp_coordinates
 from trainer.parallel.parallelize import parallelize
@@ -35,11 +38,11 @@ def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 @dataclass
 class ParallelModel:
-    """This rank's share of the model on a (pp, dp_replicate, dp_shard, tp) mesh.
+    """This rank's share of the model on a (pp, dp_replicate, dp_shard, cp, tp) mesh.
 
     parts: the model chunks this rank holds (one unless pp with virtual stages); optimizers and
     checkpoints take these. dp_rank/dp_size: this rank's place in the flattened data-parallel group,
-    which decides its slice of every global batch (tp and pp peers share a slice).
+    which decides its slice of every global batch (cp, tp and pp peers share a slice).
     """
 
     parts: list[nn.Module]
@@ -60,7 +63,9 @@ class ParallelModel:
             raise ValueError(
                 f"{inputs.shape[0]} local sequences do not split into {n_microbatches} micro-batches"
             )
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        # Context-parallel ranks share a dp slice and each trains on its chunks of it (all of it when cp = 1).
+        cp = self.mesh["cp"]
+        inputs, targets = (shard_sequence(t.to(self.device), cp) for t in (inputs, targets))
         if self.stages:
             local = self._pipeline_step(inputs, targets, n_microbatches)
         else:
@@ -76,12 +81,14 @@ class ParallelModel:
         return self.mesh["pp"].get_group() if self.stages else None
 
     def _accumulate(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
-        # FSDP still reduce-scatters after every micro-batch: skipping that sync
-        # (set_requires_gradient_sync) would hold whole unsharded grads for the step, the memory FSDP saves.
         (model,) = self.parts
         total = torch.zeros((), device=self.device)
-        for x, y in zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True):
-            loss = token_loss(model(x), y)
+        shards = self.mesh["dp_shard"].size() * self.mesh["cp"].size()
+        chunks = zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)
+        for i, (x, y) in enumerate(chunks):
+            defer_gradient_reduction(model, defer=i < n_microbatches - 1, shards=shards)
+            with auxiliary_loss_scale(1 / n_microbatches):  # e.g. MoE balancing: weighed like this loss
+                loss = token_loss(model(x), y)
             (loss / n_microbatches).backward()
             total += loss.detach()
         return total / n_microbatches
@@ -106,14 +113,14 @@ class ParallelModel:
         return torch.stack([loss.detach().float() for loss in losses]).mean()
 
     def _global_mean(self, local: Tensor) -> Tensor:
-        """Average over data-parallel ranks, then hand the last pipeline stage's value to every stage."""
-        for dim in ("dp_replicate", "dp_shard"):
+        """Average over data- and context-parallel ranks, then hand the last pipeline stage's value to every stage."""
+        for dim in ("dp_replicate", "dp_shard", "cp"):
             if self.mesh[dim].size() > 1:
                 dist.all_reduce(local, group=self.mesh[dim].get_group())
-        local /= self.dp_size
+        local /= self.dp_size * self.mesh["cp"].size()  # cp ranks hold equal token counts
         if self.stages:
-            pp = self.mesh["pp"]
-            dist.broadcast(local, group=pp.get_group(), group_src=pp.size() - 1)
+            # Only the rank holding the last stage has a loss (pp rank 0 under a V placement); others hold 0.
+            dist.all_reduce(local, group=self.mesh["pp"].get_group())
         return local
 
 
@@ -135,7 +142,7 @@ def build_parallel_model(
         model.init_weights(job.seed)
 
     n_stages = cfg.pp * cfg.pp_virtual_stages
-    indices = stage_indices(mesh.get_local_rank("pp"), cfg.pp, cfg.pp_virtual_stages)
+    indices = stage_indices(mesh.get_local_rank("pp"), cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
     chunks = [split_stage(model, index, n_stages) for index in indices] if cfg.pp > 1 else [model]
     parts = [parallelize(chunk, mesh, cfg) for chunk in chunks]
     if not init_whole:

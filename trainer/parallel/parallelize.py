@@ -1,6 +1,8 @@
 """Compose the parallelisms on one model (or pipeline stage), in torchtitan's order.
 
-TP first (it rewrites parameters into tp-sharded DTensors), then activation checkpointing and compile
+TP first (it rewrites parameters into tp-sharded DTensors), CP (ring attention and the local RoPE
+positions, inside the blocks), EP (experts sharded over ep ranks, with their own FSDP units), then
+activation checkpointing and compile
 (they wrap the already-parallel blocks), FSDP last (it shards whatever parameters it finds over dp).
 FSDP is applied even when dp = 1 so that every layout has the same parameter types and mixed precision.
 """
@@ -13,7 +15,10 @@ from trainer.config import ParallelConfig
 from trainer.model import Transformer
 from trainer.parallel.activation import apply_ac
 from trainer.parallel.compile import apply_compile
-from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.context import apply_cp
+from trainer.parallel.expert import apply_ep
+from trainer.parallel.float8 import apply_float8
+from trainer.parallel.fsdp import apply_fsdp, precision_policy
 from trainer.parallel.mesh import check_mesh, dp_mesh
 from trainer.parallel.tensor import apply_tp
 
@@ -22,10 +27,15 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Tr
     check_mesh(mesh)
     if cfg.tp > 1:
         apply_tp(model, mesh["tp"])
-    apply_ac(model, cfg.activation_checkpointing)
-    if cfg.compile:
-        apply_compile(model)
+    if cfg.cp > 1:
+        apply_cp(model, mesh["cp"])
     reshard = (
         cfg.reshard_after_forward and cfg.pp == 1
     )  # a pipeline stage stays gathered across micro-batches
+    if cfg.ep > 1:  # the experts' own FSDP units, before the blocks' claim the dense parameters
+        apply_ep(model, mesh, cfg.ep, precision_policy(cfg.mixed_precision), reshard)
+    apply_float8(model, cfg.float8)  # swaps nn.Linear modules: before AC/compile/FSDP wrap them
+    apply_ac(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
     return apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision, reshard_after_forward=reshard)

@@ -13,12 +13,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from trainer.model import Transformer
+from trainer.moe import MoE
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
@@ -47,11 +49,25 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
+    }
+    dense_plan = {
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
         "feed_forward.w3": ColwiseParallel(),
     }
+    # An MoE layer runs whole on each tp rank over the gathered sequence (its experts are split by ep and
+    # FSDP, not by tp): plain tensors in, this rank's sequence shard out.
+    moe_plan = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+        )
+    }
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        ffn_plan = moe_plan if isinstance(block.feed_forward, MoE) else dense_plan
+        parallelize_module(block, tp_mesh, {**block_plan, **ffn_plan})
     return model

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: flow runs and CI have no display
-import matplotlib.pyplot as plt
-
+from trainer.figures import png_figure
 from trainer.plan.plan import Plan
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_temp")
@@ -25,8 +21,7 @@ def plot_memory_breakdown(plan: Plan, path: Path) -> Path:
     stack = sum(getattr(mem, name) for name in COMPONENTS)
     unit, scale = ("GiB", 2**30) if stack >= 2**30 else ("MiB", 2**20)
     hbm_in_scale = stack >= 0.1 * plan.hbm_bytes
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    try:
+    with png_figure(path, figsize=(8, 5)) as (_, ax):
         bottom = 0.0
         for name in COMPONENTS:
             size = getattr(mem, name) / scale
@@ -52,9 +47,4 @@ def plot_memory_breakdown(plan: Plan, path: Path) -> Path:
         ax.set_title(f"{verdict}{off_scale}: {plan.layout}".replace(" micro", "\nmicro"), fontsize=8)
         ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    finally:
-        plt.close(fig)
     return path

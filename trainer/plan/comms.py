@@ -1,6 +1,6 @@
 """Communication: mesh placement on the interconnect, and an α–β cost for every collective per layer.
 
-Placement: the trainer builds its ``DeviceMesh`` as (pp, dp_replicate, dp_shard, tp), outer to inner
+Placement: the trainer builds its ``DeviceMesh`` as (pp, dp_replicate, dp_shard, cp, tp), outer to inner
 (torchtitan's order), and ranks are laid out node by node, so the innermost dimensions land in the
 fast domain — NVLink/NVSwitch inside a GPU node, ICI inside a TPU slice, NeuronLink inside a Trainium
 instance — and outer ones cross it (IB/EFA, DCN). The order is chosen by chattiness: TP talks every
@@ -25,10 +25,11 @@ from pydantic import BaseModel, ConfigDict
 
 from trainer.backends.chips import Chip
 from trainer.config import HardwareConfig
+from trainer.plan.context import ring_bytes, ring_seconds
 from trainer.plan.layout import Geometry
 from trainer.plan.profile import HardwareProfile, Link
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # outer → inner
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outer → inner
 FP32 = 4
 # Torus dimensions of the scale-up fabric (cloud.google.com/tpu/docs; AWS Neuron trainium2 arch: 4×4).
 TORUS_AXES = {"tpu-v4": 3, "tpu-v5e": 2, "tpu-v6e": 2, "tpu-v5p": 3, "trainium1": 2, "trainium2": 2}
@@ -139,8 +140,20 @@ def tp_backward_collectives(geo: Geometry) -> int:
     return TP_BACKWARD + (TP_FORWARD if recomputes else 0)
 
 
+def fsdp_placement(placement: dict[str, DimPlacement]) -> DimPlacement:
+    """FSDP's group: dp_shard×cp flattened (CP ranks hold the same parameters), on the slower link of
+    the two, which is dp_shard's whenever it spans more than one rank (it is the outer dimension).
+    Its traffic and exposed time are reported under dp_shard; the cp row is ring attention's."""
+    shard, cp = placement["dp_shard"], placement["cp"]
+    if cp.degree == 1:
+        return shard
+    outer = shard if shard.degree > 1 else cp
+    return outer.model_copy(update={"degree": shard.degree * cp.degree})
+
+
 def layer_comms(geo: Geometry, placement: dict[str, DimPlacement]) -> LayerComms:
-    tp, shard, rep, pp = (placement[d] for d in ("tp", "dp_shard", "dp_replicate", "pp"))
+    tp, rep, pp = (placement[d] for d in ("tp", "dp_replicate", "pp"))
+    shard = fsdp_placement(placement)
     activation, layer = tp_activation_bytes(geo), geo.layer_params_tp
     one_tp = collective_seconds("all_gather", activation, tp.degree, link_of(tp))  # = a reduce-scatter's
     return LayerComms(
@@ -174,7 +187,7 @@ def traffic(geo: Geometry, placement: list[DimPlacement]) -> list[DimPlacement]:
     layers, units = geo.layers_per_stage, geo.stage_params / geo.parallel.tp
     activation, par = tp_activation_bytes(geo), geo.parallel
     tp_per_mb = TP_FORWARD + tp_backward_collectives(geo)  # collectives per block and micro-batch
-    shard_n, rep_n = by_dim["dp_shard"].degree, by_dim["dp_replicate"].degree
+    shard_n, rep_n = fsdp_placement(by_dim).degree, by_dim["dp_replicate"].degree
     gathers = gathers_per_sync(geo)
     bytes_and_time = {
         "tp": (
@@ -188,6 +201,10 @@ def traffic(geo: Geometry, placement: list[DimPlacement]) -> list[DimPlacement]:
         "dp_replicate": (
             syncs * sent_bytes("all_reduce", units * FP32 / shard_n, rep_n),
             syncs * layers * comms.replicate_reduce,
+        ),
+        "cp": (
+            ring_bytes(geo) * layers * m,
+            ring_seconds(geo, by_dim["cp"]) * layers * m,
         ),
         "pp": (
             2 * m * par.pp_virtual_stages * activation / par.tp if par.pp > 1 else 0.0,

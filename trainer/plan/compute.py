@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from trainer.plan.kernels import attention_seconds, gemm_seconds, memory_seconds, with_launches
 from trainer.plan.layout import Geometry
-from trainer.plan.profile import HardwareProfile
+from trainer.plan.params import active_ffn_dim
+from trainer.plan.profile import HardwareProfile, MatmulPrecision
 
 FP32 = 4
 BACKWARD_ATTENTION = 2.5  # flash attention backward / forward FLOPs (FlashAttention-2, §3.1.2)
@@ -25,17 +26,22 @@ BACKWARD_KERNELS = 2
 
 @dataclass(frozen=True)
 class BlockSeconds:
-    """One block, one micro-batch, one chip: forward, backward, and what checkpointing recomputes."""
+    """One block, one micro-batch, one chip: forward, backward, and what checkpointing recomputes.
+
+    weight_grad: the part of backward that computes weight gradients (the W pass zero-bubble pipeline
+    schedules defer into idle slots); the rest is the input-gradient (B) pass.
+    """
 
     forward: float
     backward: float
     recompute: float
+    weight_grad: float
 
 
 def block_matmuls(geo: Geometry) -> list[tuple[float, float, float]]:
     """(m, n, k) of the block's forward matmuls on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
     model, t, tokens = geo.model, geo.parallel.tp, geo.microbatch_tokens
-    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    d, f, kv = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim
     return [
         (tokens, d / t, d),
         (tokens, kv / t, d),
@@ -56,7 +62,7 @@ def elementwise_bytes(geo: Geometry) -> float:
     each), RoPE 3, SwiGLU 3 (read both inputs, write the product). Backward moves about twice as much.
     """
     model, e, t = geo.model, geo.compute_bytes, geo.parallel.tp
-    d, f, kv = model.dim, model.ffn_dim, model.n_kv_heads * model.head_dim
+    d, f, kv = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim
     if geo.parallel.compile:
         per_token = e * (6 * d + 3 * (d + kv) + 3 * f)
     else:
@@ -71,18 +77,36 @@ def fsdp_copy_bytes(geo: Geometry) -> float:
     return layer * (2 * geo.compute_bytes + geo.compute_bytes + FP32)
 
 
+def block_attention_seconds(geo: Geometry, hw: HardwareProfile) -> float:
+    """Forward attention of one block on one chip: its tp share of the heads, and 1/cp of the causal
+    attention over whole sequences (context parallelism's ring steps are load-balanced)."""
+    model, par = geo.model, geo.parallel
+    width = model.n_heads * model.head_dim / par.tp
+    whole = attention_seconds(geo.train.micro_batch_size, geo.train.seq_len, width, hw, par.mixed_precision)
+    return whole / par.cp
+
+
+def matmul_precisions(geo: Geometry) -> list[MatmulPrecision]:
+    """What each of :func:`block_matmuls` computes in: fp8 for the nn.Linear layers parallel.float8
+    converts (all seven in a dense block; an MoE block's experts run grouped matmuls, which
+    torchao.float8 leaves in the compute dtype), else FSDP's compute dtype."""
+    dtype = geo.parallel.mixed_precision
+    if geo.parallel.float8 == "none":
+        return [dtype] * 7
+    ffn: MatmulPrecision = dtype if geo.model.moe is not None else "fp8"
+    return ["fp8"] * 4 + [ffn] * 3
+
+
 def block_seconds(geo: Geometry, hw: HardwareProfile) -> BlockSeconds:
     """Forward and backward of one block; recompute is a forward under full checkpointing and the
     element-wise part of one under selective (its policy keeps matmul and attention outputs)."""
-    precision = geo.parallel.mixed_precision
-    matmuls = sum(gemm_seconds(m, n, k, hw, precision) for m, n, k in block_matmuls(geo))
-    backward_matmuls = sum(
-        gemm_seconds(m, k, n, hw, precision) + gemm_seconds(k, n, m, hw, precision)
-        for m, n, k in block_matmuls(geo)
+    shapes = list(zip(block_matmuls(geo), matmul_precisions(geo), strict=True))
+    matmuls = sum(gemm_seconds(m, n, k, hw, precision) for (m, n, k), precision in shapes)
+    weight_grad = sum(gemm_seconds(k, n, m, hw, precision) for (m, n, k), precision in shapes)
+    backward_matmuls = weight_grad + sum(
+        gemm_seconds(m, k, n, hw, precision) for (m, n, k), precision in shapes
     )
-    model = geo.model
-    width = model.n_heads * model.head_dim / geo.parallel.tp
-    attention = attention_seconds(geo.train.micro_batch_size, geo.train.seq_len, width, hw, precision)
+    attention = block_attention_seconds(geo, hw)
     elementwise = memory_seconds(elementwise_bytes(geo), hw)
     copies = memory_seconds(fsdp_copy_bytes(geo), hw)
     kernels = BLOCK_KERNELS[geo.parallel.compile]
@@ -97,7 +121,7 @@ def block_seconds(geo: Geometry, hw: HardwareProfile) -> BlockSeconds:
         "selective": with_launches(elementwise, kernels - len(block_matmuls(geo)) - 1, hw),
         "full": forward,
     }[geo.parallel.activation_checkpointing]
-    return BlockSeconds(forward, backward, recompute)
+    return BlockSeconds(forward, backward, recompute, weight_grad)
 
 
 def head_seconds(geo: Geometry, hw: HardwareProfile) -> float:

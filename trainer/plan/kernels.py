@@ -8,7 +8,7 @@ accelerators, whose launch queue runs ahead of the device (see :func:`with_launc
 from __future__ import annotations
 
 from trainer.config import Precision
-from trainer.plan.profile import HardwareProfile
+from trainer.plan.profile import HardwareProfile, MatmulPrecision
 
 
 def gemm_efficiency(m: float, n: float, k: float, hw: HardwareProfile) -> float:
@@ -22,12 +22,19 @@ def gemm_efficiency(m: float, n: float, k: float, hw: HardwareProfile) -> float:
     return hw.gemm_efficiency * smallest / (smallest + hw.gemm_knee)
 
 
-def gemm_seconds(m: float, n: float, k: float, hw: HardwareProfile, precision: Precision) -> float:
-    """max(2mnk / (peak · η), e · (mk + kn + mn) / HBM bandwidth): compute- or memory-bound."""
-    element = 2 if precision == "bf16" else 4
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+# torchao's dynamic fp8 scaling before each fp8 matmul, per operand element: read the bf16 operand for
+# its amax, read it again and write the fp8 copy (unfused; compile fuses some of it: an upper bound).
+FP8_CAST_BYTES = 2 + 2 + 1
+
+
+def gemm_seconds(m: float, n: float, k: float, hw: HardwareProfile, precision: MatmulPrecision) -> float:
+    """max(2mnk / (peak · η), e · (mk + kn + mn) / HBM bandwidth): compute- or memory-bound; fp8 at the
+    chip's fp8 peak plus the memory-bound casts of both operands."""
     compute = 2 * m * n * k / (hw.peak(precision) * gemm_efficiency(m, n, k, hw))
-    memory = element * (m * k + k * n + m * n) / hw.hbm_bandwidth
-    return max(compute, memory)
+    memory = ELEMENT_BYTES[precision] * (m * k + k * n + m * n) / hw.hbm_bandwidth
+    cast = FP8_CAST_BYTES * (m * k + k * n) / hw.hbm_bandwidth if precision == "fp8" else 0.0
+    return max(compute, memory) + cast
 
 
 def attention_flops(batch: float, seq: int, width: float) -> float:

@@ -32,7 +32,13 @@ class Geometry:
 
     @property
     def microbatch_tokens(self) -> int:
-        return self.train.micro_batch_size * self.train.seq_len
+        """Tokens of one micro-batch on one chip: context parallelism gives each chip 1/cp of every sequence."""
+        return self.train.micro_batch_size * self.train.seq_len // self.parallel.cp
+
+    @property
+    def fsdp_degree(self) -> int:
+        """Ranks FSDP shards over: dp_shard×cp (context-parallel ranks hold the same parameters)."""
+        return self.parallel.dp_shard * self.parallel.cp
 
     @property
     def layers_per_stage(self) -> int:
@@ -49,7 +55,7 @@ class Geometry:
     @property
     def chip_params(self) -> float:
         """Parameters a chip owns: its stage, split by TP (norm gains are few) and sharded by FSDP."""
-        return self.stage_params / (self.parallel.tp * self.parallel.dp_shard)
+        return self.stage_params / (self.parallel.tp * self.fsdp_degree)
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -65,5 +71,7 @@ class Geometry:
 
     @property
     def layer_params_tp(self) -> float:
-        """One block's parameters on one TP rank: the unit FSDP all-gathers."""
-        return self.counts.per_layer / self.parallel.tp
+        """One block's parameters on one TP rank: the unit FSDP all-gathers. Under EP a rank gathers
+        only its 1/ep of the routed experts (from the other dp_shard/ep ranks holding them)."""
+        routed = self.counts.routed / self.model.n_layers * (1 - 1 / self.parallel.ep)
+        return (self.counts.per_layer - routed) / self.parallel.tp

@@ -15,8 +15,9 @@ fp32                4 B/param     4 B/param     8 B/param                 fp32 a
 bf16                4 B/param     4 B/param     8 B/param                 bf16 all-gather of a layer
 ==================  ============  ============  ========================  ==========================
 
-each sharded over ``dp_shard`` and replicated over ``dp_replicate`` (HSDP), split by ``tp`` and by
-pipeline stage. The totals equal ZeRO's 16·Ψ and 16·Ψ/N_d.
+each sharded over ``dp_shard``×``cp`` and replicated over ``dp_replicate`` (HSDP), split by ``tp`` and by
+pipeline stage. Context parallelism divides every activation by cp (a chip holds T/cp tokens of each
+sequence; ``Geometry.microbatch_tokens``) and adds ring attention's buffers (``plan/context.py``). The totals equal ZeRO's 16·Ψ and 16·Ψ/N_d.
 
 Peak, not sum: with one micro-batch per step, gradients are freed by ``zero_grad(set_to_none=True)``
 and reappear as activations are freed in backward, so the fwd/bwd peak is at the start of backward
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from trainer.plan.context import ring_buffer_bytes
 from trainer.plan.layout import Geometry
+from trainer.plan.params import active_ffn_dim
 
 FP32 = 4
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter, both precisions (see above)
@@ -44,7 +47,7 @@ class MemoryBreakdown(BaseModel):
     grads: float
     optimizer: float
     activations: float
-    buffers: float  # FSDP's unsharded params/grads and the loss's fp32 log-probs and gradients
+    buffers: float  # FSDP's unsharded params/grads, CP's K/V chunks, the loss's fp32 log-probs and grads
     optimizer_temp: float  # AdamW's temporary during the step
     total: float  # peak over the fwd/bwd and optimizer phases (see module docstring)
 
@@ -75,7 +78,7 @@ def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
     versus Korthikanti's sbh·(34 + 5as/h) for GPT with dropout and materialized scores.
     """
     model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
-    d, f, a, tokens = model.dim, model.ffn_dim, model.n_heads, geo.microbatch_tokens
+    d, f, a, tokens = model.dim, active_ffn_dim(model), model.n_heads, geo.microbatch_tokens
     norm = tokens * ((2 * FP32 * d + FP32) / t + e * d)
     attention = norm + tokens * (4 * e * d + FP32 * a) / t
     mlp = norm + tokens * 4 * e * f / t
@@ -86,15 +89,19 @@ def in_flight_microbatches(geo: Geometry) -> float:
     """Micro-batches whose activations the first pipeline stage holds at its peak.
 
     GPipe runs all m forwards first; 1F1B holds p (Narayanan et al. 2021); interleaved 1F1B with v
-    chunks holds p·(1 + (p−1)/(p·v)) stage-equivalents (Korthikanti et al. 2022, §4.2.3).
+    chunks holds p·(1 + (p−1)/(p·v)) stage-equivalents (Korthikanti et al. 2022, §4.2.3), and so does
+    interleaved zero bubble (ZB-H1 keeps 1F1B's memory, Qi et al. 2024 §2.1). ZB-V holds 1F1B's p
+    (ibid. §6); DualPipeV PP+1 chunks of half a stage with PP = 2p, i.e. p + ½ (DeepSeek-V3, Table 2).
     """
     p, m, v = geo.parallel.pp, geo.microbatches, geo.parallel.pp_virtual_stages
     if p == 1:
         return 1
     if geo.parallel.pp_schedule == "gpipe":
         return m
-    if geo.parallel.pp_schedule == "1f1b":
+    if geo.parallel.pp_schedule in ("1f1b", "zbv_zero_bubble"):
         return min(p, m)
+    if geo.parallel.pp_schedule == "dualpipev":
+        return min(p + 0.5, m)
     return min(p + (p - 1) / v, m)
 
 
@@ -107,7 +114,7 @@ def selective_layer_bytes(geo: Geometry) -> float:
     """
     model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
     d, kv = model.dim, model.n_kv_heads * model.head_dim
-    sharded = e * (3 * d + 2 * kv + 2 * model.ffn_dim) + FP32 * model.n_heads
+    sharded = e * (3 * d + 2 * kv + 2 * active_ffn_dim(model)) + FP32 * model.n_heads
     return geo.microbatch_tokens * (sharded / t + 2 * e * d)
 
 
@@ -133,7 +140,7 @@ def fsdp_buffer_bytes(geo: Geometry) -> float:
     """FSDP2's unsharded copies: the current and the prefetched layer gathered (2·e B/param) — or the
     whole stage when pipelining keeps it gathered (no reshard after forward) — and one layer's
     unsharded gradient in e bytes plus its fp32 copy for the reduce-scatter."""
-    if geo.parallel.dp_shard == 1 and geo.parallel.mixed_precision == "fp32":
+    if geo.fsdp_degree == 1 and geo.parallel.mixed_precision == "fp32":
         return 0.0  # nothing to gather or cast
     e = geo.compute_bytes
     gathered = 2 * geo.layer_params_tp if geo.reshard_after_forward else geo.stage_params / geo.parallel.tp
@@ -154,7 +161,7 @@ def optimizer_temp_bytes(geo: Geometry) -> float:
     if geo.accelerator != "cpu":
         return FP32 * geo.chip_params
     model, par = geo.model, geo.parallel
-    return FP32 * max(model.vocab_size, model.ffn_dim, model.dim) * model.dim / (par.tp * par.dp_shard)
+    return FP32 * max(model.vocab_size, model.ffn_dim, model.dim) * model.dim / (par.tp * geo.fsdp_degree)
 
 
 def estimate_memory(geo: Geometry) -> MemoryBreakdown:
@@ -163,7 +170,8 @@ def estimate_memory(geo: Geometry) -> MemoryBreakdown:
     chip_params = geo.chip_params
     states = {name: per_param * chip_params for name, per_param in STATE_BYTES.items()}
     kept, recomputed = activation_bytes(geo)
-    fsdp, loss = fsdp_buffer_bytes(geo), loss_buffer_bytes(geo)
+    # Ring attention's K/V chunks are, like FSDP's gathered layer, one block's transient.
+    fsdp, loss = fsdp_buffer_bytes(geo) + ring_buffer_bytes(geo), loss_buffer_bytes(geo)
     optimizer_temp = optimizer_temp_bytes(geo)
     grads_live_in_backward = geo.microbatches > 1 or geo.parallel.pp > 1
     fwd_bwd = kept + fsdp + max(loss, recomputed) + (states["grads"] if grads_live_in_backward else 0.0)

@@ -1,7 +1,9 @@
 """Exact parameter counts of our Llama-style decoder, from the model config alone (no torch).
 
 Mirrors ``trainer/model.py``: bias-free projections, two RMSNorm gains per block, a final norm, an
-input embedding and an output projection (one matrix when ``tie_embeddings``).
+input embedding and an output projection (one matrix when ``tie_embeddings``). An MoE layer's FFN is a
+router (d·E) plus E routed and S shared SwiGLU experts; a token uses only top_k of the routed ones, so
+FLOPs count *active* parameters (Mixtral 8×7B: 46.7B in all, 12.9B active).
 """
 
 from __future__ import annotations
@@ -16,15 +18,22 @@ class ParamCounts:
     """Parameters by where they live; pipeline stages and FLOP counts need the split, not just the sum."""
 
     embedding: int  # input table V·d (shared with the output projection when tied)
-    per_layer: int
-    per_layer_matmul: int  # per_layer minus the norm gains: the weights that do matmul FLOPs
+    per_layer: float  # mean over blocks (MoE and dense blocks differ when MoE is every n-th layer)
+    per_layer_matmul: float  # a block's weights one token multiplies (active experts only; no norm gains)
     n_layers: int
     final_norm: int
     output: int  # V·d, or 0 when tied to the embedding
+    routed: int = 0  # routed-expert weights, over all MoE layers (what expert parallelism splits)
+    inactive: int = 0  # the part of them a token skips
 
     @property
     def total(self) -> int:
-        return self.embedding + self.n_layers * self.per_layer + self.final_norm + self.output
+        return round(self.embedding + self.n_layers * self.per_layer + self.final_norm + self.output)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token uses (the published "active" count of an MoE model; total when dense)."""
+        return self.total - self.inactive
 
     @property
     def matmul(self) -> int:
@@ -40,14 +49,39 @@ class ParamCounts:
 def count_params(model: ModelConfig) -> ParamCounts:
     d, hd = model.dim, model.head_dim
     attention = d * model.n_heads * hd * 2 + d * model.n_kv_heads * hd * 2  # wq, wo; wk, wv
-    feed_forward = 3 * d * model.ffn_dim  # SwiGLU: w1, w3 (d→f) and w2 (f→d)
-    matmul = attention + feed_forward
+    swiglu = 3 * d  # per unit of hidden width: w1, w3 (d→f) and w2 (f→d)
+    ffn_total = ffn_active = routed = inactive = 0
+    for layer in range(model.n_layers):
+        if model.is_moe_layer(layer):
+            moe, expert = model.moe, swiglu * model.expert_ffn_dim
+            router = d * moe.n_experts
+            ffn_total += router + (moe.n_experts + moe.shared_experts) * expert
+            ffn_active += router + (moe.top_k + moe.shared_experts) * expert
+            routed += moe.n_experts * expert
+            inactive += (moe.n_experts - moe.top_k) * expert
+        else:
+            ffn_total += swiglu * model.ffn_dim
+            ffn_active += swiglu * model.ffn_dim
     vocab = model.vocab_size * d
     return ParamCounts(
         embedding=vocab,
-        per_layer=matmul + 2 * d,
-        per_layer_matmul=matmul,
+        per_layer=attention + 2 * d + ffn_total / model.n_layers,
+        per_layer_matmul=attention + ffn_active / model.n_layers,
         n_layers=model.n_layers,
         final_norm=d,
         output=0 if model.tie_embeddings else vocab,
+        routed=routed,
+        inactive=inactive,
     )
+
+
+def active_ffn_dim(model: ModelConfig) -> float:
+    """SwiGLU hidden width one token goes through, averaged over blocks (top_k + shared experts in an
+    MoE block): what its FFN matmuls and activations scale with."""
+    widths = [
+        (model.moe.top_k + model.moe.shared_experts) * model.expert_ffn_dim
+        if model.is_moe_layer(layer)
+        else model.ffn_dim
+        for layer in range(model.n_layers)
+    ]
+    return sum(widths) / model.n_layers

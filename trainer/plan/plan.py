@@ -16,7 +16,9 @@ from trainer.config import (
     TrainConfig,
 )
 from trainer.plan import checkpointing
+from trainer.plan.bubble import bubble_fraction as pipeline_bubble_fraction
 from trainer.plan.comms import DimPlacement, place, traffic
+from trainer.plan.experts import ep_placements
 from trainer.plan.flops import model_flops_per_token, recompute_flops_per_token, tokens_per_step
 from trainer.plan.layout import Geometry
 from trainer.plan.memory import MemoryBreakdown, estimate_memory
@@ -39,6 +41,7 @@ class Plan(BaseModel):
     micro_batch_size: int
     microbatches: int
     params: int
+    active_params: int  # what one token uses: params less the routed experts it skips (MoE)
     memory_per_chip_bytes: MemoryBreakdown
     hbm_bytes: float
     usable_hbm_bytes: float
@@ -58,29 +61,36 @@ class Plan(BaseModel):
     mfu: float
     tokens_per_second: float
     checkpoint_bytes: float
+    checkpoint_storage_bytes: float  # what the checkpoint location must hold at its fullest
     checkpoint_write_s: float
     checkpoint_blocking_s: float
     mtbf_hours: float
     checkpoint_interval_steps: int
+    storage_mtbf_hours: float  # failures storage alone recovers (longer than mtbf_hours with the memory tier)
+    memory_blocking_s: float
+    peer_send_s: float
+    memory_interval_steps: int  # the in-memory tier's Young/Daly optimum, used when memory_interval is 'auto'
     placement: list[DimPlacement]
 
     @property
     def layout(self) -> str:
         """Every searched knob, spec-style, so a suggestion can be applied as is.
 
-        E.g. 'dp_replicate=1 dp_shard=8 tp=1 pp=1 micro_batch_size=1 activation_checkpointing=full'.
+        E.g. 'dp_replicate=1 dp_shard=8 cp=1 tp=1 pp=1 micro_batch_size=1 activation_checkpointing=full'.
         """
         p = self.parallel
         return (
-            f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} pp={p.pp} "
+            f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} pp={p.pp} "
             f"micro_batch_size={self.micro_batch_size} activation_checkpointing={p.activation_checkpointing}"
         )
 
 
 def bubble_fraction(geo: Geometry) -> float:
-    """Idle fraction of a pipeline step: (p−1)/m, or (p−1)/(v·m) interleaved (Narayanan et al. 2021)."""
-    p, m = geo.parallel.pp, geo.microbatches
-    return (p - 1) / (geo.parallel.pp_virtual_stages * m)
+    """Idle fraction of a pipeline step at equal forward/backward passes, per schedule (``bubble.py``):
+    (p−1)/m for 1F1B, (p−1)/(v·m) interleaved (Narayanan et al. 2021), a third of that for ZB1P, 0 for
+    ZB-V and DualPipeV (Qi et al. 2024). The step time uses the modelled passes instead."""
+    par = geo.parallel
+    return pipeline_bubble_fraction(par.pp_schedule, par.pp, geo.microbatches, par.pp_virtual_stages)
 
 
 def memory_fields(geo: Geometry, hw: HardwareProfile) -> dict[str, Any]:
@@ -98,7 +108,7 @@ def time_fields(
     geo: Geometry, hw: HardwareProfile, hardware: HardwareConfig, overlap: Overlap | None
 ) -> dict[str, Any]:
     """Step time from its parts (``timing.py``); MFU = model FLOPs / (step · chips · peak bf16)."""
-    placement = traffic(geo, place(geo, hw, hardware))
+    placement = traffic(geo, place(geo, hw, hardware)) + ep_placements(geo, hw, hardware)
     time = step_time(geo, hw, placement, overlap)
     tokens, flops_per_token = tokens_per_step(geo), model_flops_per_token(geo)
     return dict(
@@ -123,15 +133,24 @@ def time_fields(
 def checkpoint_fields(
     geo: Geometry, hw: HardwareProfile, hardware: HardwareConfig, checkpoint: CheckpointConfig, step_s: float
 ) -> dict[str, Any]:
+    """Both tiers' costs and intervals, each from Young/Daly over the failures it covers."""
     write_s = checkpointing.write_seconds(geo, hardware, checkpoint)
     blocking_s = checkpointing.blocking_seconds(geo, hardware, checkpoint)
     mtbf_s = checkpointing.mtbf_seconds(hw.chip, hardware)
+    storage_mtbf_s = checkpointing.storage_mtbf_seconds(hw.chip, hardware, checkpoint)
+    memory_s = checkpointing.memory_blocking_seconds(geo, hardware)
+    send_s = checkpointing.peer_send_seconds(geo, hardware, hw.chip)
     return dict(
         checkpoint_bytes=checkpointing.checkpoint_bytes(geo),
+        checkpoint_storage_bytes=checkpointing.storage_bytes(geo, checkpoint),
         checkpoint_write_s=write_s,
         checkpoint_blocking_s=blocking_s,
         mtbf_hours=mtbf_s / 3600,
-        checkpoint_interval_steps=checkpointing.interval_steps(blocking_s, write_s, mtbf_s, step_s),
+        checkpoint_interval_steps=checkpointing.interval_steps(blocking_s, write_s, storage_mtbf_s, step_s),
+        storage_mtbf_hours=storage_mtbf_s / 3600,
+        memory_blocking_s=memory_s,
+        peer_send_s=send_s,
+        memory_interval_steps=checkpointing.interval_steps(memory_s, send_s, mtbf_s, step_s),
     )
 
 
@@ -159,6 +178,7 @@ def make_plan(
         micro_batch_size=train.micro_batch_size,
         microbatches=geo.microbatches,
         params=geo.counts.total,
+        active_params=geo.counts.active,
         **memory_fields(geo, hw),
         **times,
         **checkpoint_fields(geo, hw, hardware, checkpoint, times["step_time_s"]),
@@ -174,3 +194,11 @@ def resolve_checkpoint_interval(job: JobConfig) -> int:
     if job.checkpoint.interval != "auto":
         return job.checkpoint.interval
     return plan_for_job(job).checkpoint_interval_steps
+
+
+def resolve_memory_interval(job: JobConfig) -> int | None:
+    """Steps between in-memory snapshots: None when the tier is off, else fixed or the planner's optimum."""
+    memory = job.checkpoint.memory_interval
+    if memory == "off":
+        return None
+    return plan_for_job(job).memory_interval_steps if memory == "auto" else memory

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Literal
 
 from trainer.backends.chips import Chip
-from trainer.config import Precision
 
 Domain = Literal["intra", "inter"]
+# What a matmul computes in: the FSDP compute dtypes, and fp8 where parallel.float8 converts a layer.
+MatmulPrecision = Literal["fp32", "bf16", "fp8"]
 # fp32 matmuls run at half the bf16 rate where the catalog gives no fp32 peak (assumed).
 FP32_SLOWDOWN = 2.0
 CALIBRATED_FIGURES = (
@@ -77,7 +78,7 @@ class HardwareProfile:
             kernel_overhead_s=self.kernel_overhead_s / share,
         )
 
-    def peak(self, precision: Precision) -> float:
+    def peak(self, precision: MatmulPrecision) -> float:
         return self.peak_flops[precision]
 
     def link(self, domain: Domain, ranks: int) -> Link:
@@ -92,7 +93,11 @@ def catalog_profile(chip: Chip) -> HardwareProfile:
     figures = ("peak_flops", "links", *CALIBRATED_FIGURES)
     return HardwareProfile(
         chip=chip,
-        peak_flops={"bf16": chip.peak_bf16_flops, "fp32": fp32},
+        peak_flops={
+            "bf16": chip.peak_bf16_flops,
+            "fp32": fp32,
+            **({"fp8": chip.peak_fp8_flops} if chip.peak_fp8_flops else {}),
+        },
         gemm_efficiency=chip.gemm_efficiency,
         gemm_knee=chip.gemm_knee,
         attention_efficiency=chip.attention_efficiency,

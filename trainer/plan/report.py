@@ -28,10 +28,15 @@ def _two_column_table(title: str, rows: list[tuple[str, str]]) -> Table:
     return table
 
 
+def active_note(plan: Plan) -> str:
+    """An MoE model's per-token share, which its FLOPs are counted from."""
+    return f" ({plan.active_params / 1e9:,.3f} B active)" if plan.active_params != plan.params else ""
+
+
 def summary_rows(plan: Plan) -> list[tuple[str, str]]:
     mem = plan.memory_per_chip_bytes
     return [
-        ("parameters", f"{plan.params / 1e9:,.3f} B"),
+        ("parameters", f"{plan.params / 1e9:,.3f} B" + active_note(plan)),
         (
             "fits",
             f"{'yes' if plan.fits else 'NO'} ({_gb(mem.total)} of {_gb(plan.usable_hbm_bytes)} usable, "
@@ -56,8 +61,17 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
             f"blocks {plan.checkpoint_blocking_s:,.2f} s",
         ),
         (
+            "checkpoint storage needed",
+            f"{_gb(plan.checkpoint_storage_bytes)} (keep_last + 1 checkpoints: old ones go after a commit)",
+        ),
+        (
             "checkpoint interval (Young/Daly)",
-            f"{plan.checkpoint_interval_steps:,} steps (MTBF {plan.mtbf_hours:,.1f} h)",
+            f"{plan.checkpoint_interval_steps:,} steps (MTBF {plan.storage_mtbf_hours:,.1f} h)",
+        ),
+        (
+            "in-memory snapshot interval (Young/Daly)",
+            f"{plan.memory_interval_steps:,} steps (blocks {plan.memory_blocking_s:,.3f} s, peer send "
+            f"{plan.peer_send_s:,.2f} s, MTBF {plan.mtbf_hours:,.1f} h)",
         ),
     ]
 

@@ -52,7 +52,8 @@ def divisors(n: int, limit: int | None = None) -> list[int]:
 
 
 def degree_splits(chips: int, tp_limit: int) -> Iterator[dict[str, int]]:
-    """Every dp_replicate × dp_shard × tp × pp = chips, with TP inside the fast domain (it talks every layer)."""
+    """Every dp_replicate × dp_shard × tp × pp = chips (the chips per cp group), with TP inside the fast
+    domain (it talks every layer)."""
     for tp in divisors(chips, tp_limit):
         for pp in divisors(chips // tp):
             for dp_shard in divisors(chips // (tp * pp)):
@@ -62,9 +63,12 @@ def degree_splits(chips: int, tp_limit: int) -> Iterator[dict[str, int]]:
 def candidate_layouts(
     model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, hardware: HardwareConfig
 ) -> Iterator[tuple[ParallelConfig, TrainConfig]]:
-    """Valid layouts (``layout_errors`` is empty); knobs not searched keep the spec's values."""
+    """Valid layouts (``layout_errors`` is empty); knobs not searched keep the spec's values.
+
+    The spec's cp is kept (it is chosen for the sequence length); the other degrees split the rest.
+    """
     tp_limit = fast_domain_chips(get_chip(hardware.chip), hardware)
-    for degrees in degree_splits(hardware.world_size, tp_limit):
+    for degrees in degree_splits(max(1, hardware.world_size // parallel.cp), tp_limit):
         dp = degrees["dp_replicate"] * degrees["dp_shard"]
         if train.global_batch_size % dp:
             continue
@@ -119,7 +123,7 @@ def smallest_fitting_cluster(
             return None
         p, t = found
         return (
-            f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} pp={p.pp} "
+            f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} cp={p.cp} tp={p.tp} pp={p.pp} "
             f"micro_batch_size={t.micro_batch_size} activation_checkpointing={p.activation_checkpointing}"
         )
 

@@ -2,14 +2,17 @@
 
 Per micro-batch, the slowest pipeline stage runs its blocks' forward, backward and recompute
 (``compute.py``), the first stage the embedding, the last the output head and loss; TP collectives
-and pipeline sends sit on that critical path (no async TP). Across micro-batches:
+and pipeline sends sit on that critical path (no async TP); context parallelism's K/V hops show where
+they outlast the ring step of attention they run behind (``context.py``). Across micro-batches:
 
 - FSDP prefetches block i+1's all-gather while block i computes (FSDP2's implicit prefetch), so a
   gather shows only where it outlasts a block's forward; in backward, block i's reduce-scatter (and
   the HSDP all-reduce after it) runs behind block i−1's backward. The first gather and the last
   reduction have nothing to hide behind. The root unit (embedding, head) is gathered once per step.
 - A pipeline adds the bubble: GPipe and 1F1B idle (p−1) stage-slots per step, interleaved 1F1B
-  (p−1)/v (Narayanan et al. 2021, §2.2); with unequal stages, Σ stages − slowest, over v.
+  (p−1)/v (Narayanan et al. 2021, §2.2); with unequal stages, Σ stages − slowest, over v. Zero-bubble
+  schedules leave a share of that set by the block's forward, input- and weight-gradient times
+  (``bubble.py``, Qi et al. 2024).
 - The optimizer step follows the last reduction.
 """
 
@@ -19,11 +22,13 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
+from trainer.plan.bubble import bubble_share
 from trainer.plan.comms import (
     FP32,
     DimPlacement,
     LayerComms,
     collective_seconds,
+    fsdp_placement,
     gathers_per_sync,
     gradient_syncs,
     layer_comms,
@@ -31,11 +36,13 @@ from trainer.plan.comms import (
 )
 from trainer.plan.compute import (
     BlockSeconds,
+    block_attention_seconds,
     block_seconds,
     embedding_seconds,
     head_seconds,
     optimizer_seconds,
 )
+from trainer.plan.context import ring_exposed_seconds
 from trainer.plan.layout import Geometry
 from trainer.plan.profile import HardwareProfile
 
@@ -93,7 +100,7 @@ def fsdp_exposed(
 def root_exposed(geo: Geometry, placement: dict[str, DimPlacement]) -> tuple[float, float, float]:
     """(gather per step, reduce-scatter per sync, all-reduce per sync) of FSDP's root unit: exposed,
     since the embedding's gather starts the step and the head's reduction ends it."""
-    shard, rep = placement["dp_shard"], placement["dp_replicate"]
+    shard, rep = fsdp_placement(placement), placement["dp_replicate"]
     root = geo.root_params_tp
     return (
         collective_seconds("all_gather", root * geo.compute_bytes, shard.degree, link_of(shard)),
@@ -122,16 +129,25 @@ def step_time(
     syncs = gradient_syncs(geo) if overlap.grads_in_backward else 1  # else one sync after the last backward
     stages = stage_seconds(geo, hw, block)
     tp = tp_exposed(geo, block, comms, overlap)
+    ring = ring_exposed_seconds(geo, by_dim["cp"], block_attention_seconds(geo, hw), not hw.host_bound)
     pp = 2 * v * comms.pp_send if geo.parallel.pp > 1 else 0.0
     slowest = max(stages)
-    bubble = (sum(stages) - slowest + (len(stages) - 1) * (tp + pp)) / v
+    share = bubble_share(
+        geo.parallel.pp_schedule,
+        block.forward,
+        block.backward - block.weight_grad + block.recompute,
+        block.weight_grad,
+    )
+    bubble = share * (sum(stages) - slowest + (len(stages) - 1) * (tp + pp)) / v
     shard, replicate = fsdp_exposed(geo, hw, block, comms, overlap)
     root_gather, root_reduce, root_all_reduce = root_exposed(geo, by_dim)
     exposed = {
         "tp": m * tp,
+        "cp": m * geo.layers_per_stage * ring,
         "dp_shard": syncs * (shard + root_reduce) + root_gather,
         "dp_replicate": syncs * (replicate + root_all_reduce),
         "pp": m * pp,
+        "ep": by_dim["ep"].time_s if "ep" in by_dim else 0.0,  # see experts.py: nothing hides it
     }
     optimizer = optimizer_seconds(geo, hw)
     return StepTime(

@@ -1,0 +1,240 @@
+"""Hugging Face Llama safetensors export and import of tessera checkpoints, through DCP's HF storage.
+
+``export_hf`` reads a committed checkpoint's weights (resharded from whatever layout saved them, as
+evaluation does), renames them to transformers' ``LlamaForCausalLM`` names, and writes them with DCP's
+``HuggingFaceStorageWriter``: ``model-0000i-of-0000n.safetensors`` files of at most 5 GB (the Hub's
+default shard size), ``model.safetensors.index.json``, and a ``config.json`` in HF's Llama format, so
+``LlamaForCausalLM.from_pretrained(OUT_DIR)`` loads it. ``import_hf`` reads such a directory with
+``HuggingFaceStorageReader`` and writes a committed tessera checkpoint (weights only, step 0), which
+``tessera evaluate``/validation load and which DCP reshards onto any layout.
+
+RoPE layout. tessera rotates adjacent channel pairs (2i, 2i+1) of each head, as Meta's original Llama
+code does; HF's Llama rotates halves (i, i + head_dim/2) ("rotate_half"). The two compute the same
+attention when the rows of wq and wk are permuted within each head so that pair (2i, 2i+1) lands on
+(i, i + head_dim/2): the permutation of transformers' ``convert_llama_weights_to_hf.py``. Export applies
+it to q_proj and k_proj; import applies the inverse. Nothing else needs it: v, o and the MLP see no RoPE.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trainer import storage
+from trainer.checkpoint import store
+from trainer.checkpoint.manifest import (
+    Manifest,
+    digest_files,
+    list_checkpoints,
+    read_manifest,
+    step_dir_name,
+    write_manifest,
+)
+from trainer.checkpoint.state import APP_KEY
+from trainer.config import JobConfig, ModelConfig
+from trainer.evaluate import load_model
+from trainer.failures import UserError
+from trainer.model import Transformer
+
+HFDtype = Literal["bf16", "fp32"]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+HF_DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
+MAX_FILE_BYTES = 5 * 10**9
+CONFIG_NAME = "config.json"
+
+# tessera FQN -> HF name; "{}" is the layer index.
+TOP_LEVEL = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+PER_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+# Config fields that must agree between a tessera model and an HF config.json.
+CONFIG_FIELDS = {
+    "n_layers": "num_hidden_layers",
+    "dim": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """Every tessera parameter FQN and its HF name (a tied head is the embedding: HF stores it once)."""
+    names = {fqn: hf for fqn, hf in TOP_LEVEL.items() if not (cfg.tie_embeddings and fqn == "output.weight")}
+    for layer in range(cfg.n_layers):
+        for fqn, hf in PER_LAYER.items():
+            names[f"layers.{layer}.{fqn}"] = f"model.layers.{layer}.{hf}"
+    return names
+
+
+def pairs_to_halves(weight: Tensor, heads: int) -> Tensor:
+    """Rows of a q/k projection from adjacent-pair RoPE order to HF's rotate-half order, per head."""
+    rows, cols = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def halves_to_pairs(weight: Tensor, heads: int) -> Tensor:
+    """The inverse of :func:`pairs_to_halves`."""
+    rows, cols = weight.shape
+    return weight.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _rope_heads(fqn: str, cfg: ModelConfig) -> int | None:
+    """Heads whose rows RoPE rotates in this parameter (q: n_heads, k: n_kv_heads), else None."""
+    if fqn.endswith("attention.wq.weight"):
+        return cfg.n_heads
+    if fqn.endswith("attention.wk.weight"):
+        return cfg.n_kv_heads
+    return None
+
+
+def to_hf(state: dict[str, Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
+    """tessera's model state dict as HF Llama tensors (renamed, q/k permuted, cast, contiguous)."""
+    out = {}
+    for fqn, hf in hf_names(cfg).items():
+        tensor, heads = state[fqn], _rope_heads(fqn, cfg)
+        out[hf] = (pairs_to_halves(tensor, heads) if heads else tensor).to(dtype).contiguous()
+    return out
+
+
+def from_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """HF Llama tensors as tessera's model state dict (a tied head shares the embedding tensor)."""
+    out = {}
+    for fqn, hf in hf_names(cfg).items():
+        tensor, heads = state[hf], _rope_heads(fqn, cfg)
+        out[fqn] = (halves_to_pairs(tensor, heads) if heads else tensor).contiguous()
+    if cfg.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def hf_config(cfg: ModelConfig, max_seq_len: int, dtype: HFDtype) -> dict[str, Any]:
+    """config.json of transformers' LlamaConfig for this model (no RoPE scaling: tessera has none)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **{hf: getattr(cfg, field) for field, hf in CONFIG_FIELDS.items()},
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_seq_len,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_scaling": None,
+        "torch_dtype": HF_DTYPE_NAMES[dtype],
+    }
+
+
+def file_index(tensors: dict[str, Tensor], max_bytes: int = MAX_FILE_BYTES) -> dict[str, int]:
+    """Which safetensors file (1..n) each tensor goes to: in order, a new file once max_bytes is full."""
+    index, used, mapping = 1, 0, {}
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if used and used + size > max_bytes:
+            index, used = index + 1, 0
+        mapping[name] = index
+        used += size
+    return mapping
+
+
+def resolve_step(checkpoint_url: str) -> str:
+    """A step directory as given, or the newest good checkpoint under a checkpoints directory."""
+    if read_manifest(checkpoint_url) is not None:
+        return checkpoint_url.rstrip("/")
+    good = [m for m in list_checkpoints(checkpoint_url) if m.good]
+    if not good:
+        raise UserError(f"no committed checkpoint at {checkpoint_url}; give a step-N directory or its parent")
+    return good[-1].url
+
+
+def export_hf(checkpoint_url: str, job: JobConfig, out_dir: str | Path, dtype: HFDtype = "bf16") -> Path:
+    """Write the checkpoint's weights as HF Llama safetensors + config.json into out_dir (local)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} is not empty; export into a new directory")
+    _, model = load_model(resolve_step(checkpoint_url), job)  # committed, fingerprint-checked
+    tensors = to_hf(model.state_dict(), job.model, DTYPES[dtype])
+    writer = HuggingFaceStorageWriter(str(out), fqn_to_index_mapping=file_index(tensors))
+    dcp.save(tensors, storage_writer=writer, no_dist=True)
+    config = hf_config(job.model, job.train.seq_len, dtype)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def check_hf_config(config: dict[str, Any], cfg: ModelConfig) -> None:
+    """Refuse an HF model whose architecture differs from the spec's, naming each field."""
+    if config.get("model_type") != "llama":
+        raise UserError(f"config.json has model_type {config.get('model_type')!r}; only llama imports")
+    wrong = [
+        f"model.{field}={getattr(cfg, field)} but {hf}={config.get(hf)}"
+        for field, hf in CONFIG_FIELDS.items()
+        if config.get(hf) != getattr(cfg, field)
+    ]
+    if config.get("head_dim", cfg.head_dim) != cfg.head_dim:
+        wrong.append(f"model head_dim={cfg.head_dim} but head_dim={config['head_dim']}")
+    if config.get("rope_scaling"):
+        wrong.append(f"rope_scaling={config['rope_scaling']} but tessera's RoPE has no scaling")
+    if wrong:
+        raise UserError(f"the HF model is not the spec's model: {'; '.join(wrong)}; set these in the spec")
+
+
+def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int = 0) -> str:
+    """Write HF Llama safetensors as a committed tessera checkpoint (weights only) at checkpoint_url/step-N.
+
+    Returns the step directory's URL. The weights load as fp32 (tessera's master weights).
+    """
+    source = Path(hf_dir)
+    config = json.loads((source / CONFIG_NAME).read_text())
+    check_hf_config(config, job.model)
+    step_url = storage.join(checkpoint_url, step_dir_name(step))
+    if read_manifest(step_url) is not None:
+        raise UserError(f"{step_url} already holds a checkpoint; import into another checkpoint URL or step")
+    shapes = {fqn: t.shape for fqn, t in _meta_state(job).items()}
+    tensors = {hf: torch.empty(shapes[fqn]) for fqn, hf in hf_names(job.model).items()}
+    try:
+        dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(source)), no_dist=True)
+    except (CheckpointException, RuntimeError) as exc:
+        raise UserError(f"cannot read the HF weights in {source}: {str(exc).splitlines()[0]}") from None
+    with store.dcp_errors("saving", step_url):
+        dcp.save(
+            {APP_KEY: {"model": from_hf(tensors, job.model)}},
+            storage_writer=store.storage_writer(step_url),
+            no_dist=True,
+        )
+    manifest = Manifest(
+        step=step,
+        tokens=0,
+        model_fingerprint=job.model_fingerprint(),
+        world_size=1,
+        layout=job.parallel.model_dump(),
+        files=digest_files(step_url),
+        meta={"imported_from": str(source)},
+    )
+    write_manifest(step_url, manifest)
+    return step_url
+
+
+def _meta_state(job: JobConfig) -> dict[str, Tensor]:
+    with torch.device("meta"):
+        return Transformer(job.model, max_seq_len=job.train.seq_len).state_dict()

@@ -1,0 +1,130 @@
+"""Mixture-of-experts feed-forward: a router, routed SwiGLU experts and optional shared experts.
+
+Top-k token choice (Mixtral): each token goes to the k experts with the highest router probability and
+mixes their outputs with those probabilities renormalized over the k. Dropless: every expert processes
+every token routed to it (no capacity factor), so the result does not depend on how a batch is split.
+
+Load balancing is DeepSeek-V3's sequence-wise auxiliary loss, coef · Σ_e f_e · P_e per sequence, averaged
+over sequences (f_e: the fraction of the sequence's routing slots that chose e, times n_experts; P_e: its
+mean router probability). Being a mean over sequences, it splits over data-parallel ranks and micro-batches
+exactly like the token loss. It is added in backward only (Megatron's "aux loss auto-scaler"), so the
+model still returns logits and the reported loss stays the language-model loss.
+
+Architecture only: expert parallelism (``trainer.parallel.expert``) intercepts :class:`GroupedExperts`'
+forward to send tokens to the rank holding their expert and back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from trainer.config import MoEConfig
+
+# How much one forward's auxiliary loss weighs in the step's gradient: 1/micro-batches under gradient
+# accumulation (each micro-batch's token loss is scaled so), 1 when a pipeline schedule scales grads itself.
+_aux_loss_scale = [1.0]
+
+
+@contextlib.contextmanager
+def auxiliary_loss_scale(scale: float) -> Iterator[None]:
+    """Forwards run inside weigh their auxiliary losses by scale, like the token loss they go with."""
+    _aux_loss_scale.append(scale)
+    try:
+        yield
+    finally:
+        _aux_loss_scale.pop()
+
+
+class _AddAuxLossInBackward(torch.autograd.Function):
+    """Identity on out; in backward also sends gradient `scale` into aux (as if it were added to the loss)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, aux: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, torch.full((), ctx.scale, device=grad.device), None
+
+
+def _local(weight: Tensor) -> Tensor:
+    """This rank's experts: under expert parallelism the stacked weights are DTensors sharded on experts."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class GroupedExperts(nn.Module):
+    """n SwiGLU experts stacked into [n, d, h] / [n, h, d] weights, so sharding dim 0 splits experts."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
+        """tokens [N, d] sorted by expert, counts[e] of them for expert e -> outputs [N, d], same order.
+
+        A loop over experts rather than ``F.grouped_mm``: grouped_mm failed on torch 2.13 CPU (fp32 and
+        bf16) for these shapes, and the loop is exact in fp32, which the parity tests need.
+        """
+        # unbind, not w[e]: indexing's backward writes each expert's gradient into a zeroed copy of the
+        # whole stacked weight (E full-size copies per step); unbind's stacks them once.
+        w1, w2, w3 = (_local(w).unbind(0) for w in (self.w1, self.w2, self.w3))
+        outputs = [
+            (F.silu(chunk @ w1[e]) * (chunk @ w3[e])) @ w2[e]
+            for e, chunk in enumerate(tokens.split(counts.tolist()))
+        ]
+        return torch.cat(outputs)
+
+
+class Router(nn.Module):
+    """Token-choice top-k gate with the sequence-wise balance loss (see the module docstring)."""
+
+    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
+        self.top_k = cfg.top_k
+        self.aux_loss_coef = cfg.aux_loss_coef
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, d] -> (weights [B·T, k], experts [B·T, k], auxiliary loss []); routing in fp32."""
+        probs = self.gate(x).float().softmax(dim=-1)
+        top_probs, experts = probs.topk(self.top_k, dim=-1)
+        weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        n_experts = probs.shape[-1]
+        with torch.no_grad():
+            chosen = torch.zeros_like(probs).scatter_(-1, experts, 1.0)
+            load = chosen.mean(dim=1) * n_experts / self.top_k  # [B, E]; 1 everywhere when balanced
+        aux = self.aux_loss_coef * (load * probs.mean(dim=1)).sum(dim=-1).mean()
+        return weights.flatten(0, 1), experts.flatten(0, 1), aux
+
+
+class MoE(nn.Module):
+    """Drop-in for the dense FeedForward: [B, T, d] -> [B, T, d]."""
+
+    def __init__(self, dim: int, hidden: int, cfg: MoEConfig, shared: nn.Module | None) -> None:
+        super().__init__()
+        self.router = Router(dim, cfg)
+        self.experts = GroupedExperts(cfg.n_experts, dim, hidden)
+        self.shared = shared
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, experts, aux = self.router(x)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)  # routing slots grouped by expert
+        source = order // experts.shape[1]  # the token each slot came from
+        counts = torch.bincount(flat, minlength=self.experts.w1.shape[0])
+        routed = self.experts(tokens[source], counts) * weights.flatten()[order, None].to(x.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, source, routed)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        return _AddAuxLossInBackward.apply(out.view(batch, seq, dim), aux, _aux_loss_scale[-1])
