@@ -70,6 +70,8 @@ def provision_task(run: Run) -> LaunchTarget:
 @task(name="teardown", tags=["provision"])
 def teardown_task(target: LaunchTarget) -> None:
     """Delete the Kubernetes objects, or stop local agents a cancelled or crashed train task left running."""
+    # First, so that a train task whose agents are stopped here ends instead of retrying them.
+    target.run.dir.stopping.touch()
     if target.kind == "kubernetes":
         delete_manifests(target.manifests)
     elif stopped := stop_recorded_agents(target.run.dir):
@@ -81,6 +83,7 @@ def provisioned(run: Run, after: Plan | None = None) -> Iterator[LaunchTarget]:
     """Provision for the body, tear down after it. ``after`` (the plan) orders provisioning behind it
     and draws that edge in the run graph."""
     target = provision_task(run, wait_for=[after] if after is not None else None)
+    run.dir.stopping.unlink(missing_ok=True)  # a retried flow run trains again
     try:
         yield target
     finally:

@@ -47,6 +47,11 @@ class TrainingFailed(RuntimeError):
         self.exit_code = exit_code
 
 
+class RunStopped(RuntimeError):
+    """The flow is ending (a stop signal, a cancellation, an error elsewhere) and tore the agents down:
+    not a failure of the job, and nothing to retry."""
+
+
 def cause_of(log_tail: str) -> str:
     """What the state message shows: the trainer's own one-line error (``error: [rank N] ...``) when a
     rank printed one, rather than torchrun's ChildFailedError box; else the log's last lines."""
@@ -147,12 +152,16 @@ def train_task(target: LaunchTarget) -> str:
         get_run_logger(),
         copy_to=run.dir.metrics if target.kind == "kubernetes" else None,  # locally the trainer writes it
     )
+    if run.dir.stopping.exists():  # a retry that began as the flow was tearing down
+        raise RunStopped(f"run {run.run_id} is being stopped by its flow's tear-down; not starting it again")
     record_launch(run.dir)
     with run.claim():
         code, tail = (
             run_local(target, progress) if target.kind == "local" else run_kubernetes(target, progress)
         )
     progress.update(final=True)
+    if code and run.dir.stopping.exists():
+        raise RunStopped(f"run {run.run_id} was stopped by its flow's tear-down; its checkpoints are kept")
     kind = classify_exit(code, tail)
     if kind != "ok":
         exit_code = worker_exit_code(code, tail)

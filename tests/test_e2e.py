@@ -129,7 +129,7 @@ def test_an_unknown_top_level_parameter_is_refused_by_the_server_naming_it(
     assert not (deployed[1] / "e2e-unknown").exists()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=mutated_specs())
 def test_the_server_refuses_exactly_what_the_schema_check_refuses(
     client: SyncPrefectClient, deployed: object, case: tuple[dict[str, Any], str]

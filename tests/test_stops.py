@@ -348,8 +348,10 @@ def test_sigterm_of_tessera_run_stops_its_server_and_trainers_and_is_not_a_user_
         launch.send_signal(signal.SIGTERM)
         launch.wait(timeout=60)
         stopped_s = wait_until(lambda: not still_alive(tree), "every process tessera run started to exit", 30)
-    finally:
-        launch.kill()
+    finally:  # on a failure, leave nothing behind: the temporary server would outlive a SIGKILLed parent
+        for pid in process_tree(launch.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     output.seek(0)
     err = output.read()
     assert launch.returncode == 128 + signal.SIGTERM, err[-3000:]

@@ -63,6 +63,11 @@ class RunDir:
         return self.path / "attempts.jsonl"
 
     @property
+    def stopping(self) -> Path:
+        """``stopping``: tear-down has begun (the flow is ending): no train attempt may start or retry."""
+        return self.path / "stopping"
+
+    @property
     def agents(self) -> Path:
         """``agents.pid``: the torchrun agents started on this host, so tear-down can stop them."""
         return self.path / "agents.pid"

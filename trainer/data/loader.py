@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import signal
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -59,6 +60,13 @@ class _StepStream(IterableDataset):
         for step in itertools.count(worker_id, num_workers):
             start = self.first_sample + step * self.global_batch + self.row_offset
             yield to_batch(self.source.rows(start, self.local_batch))
+
+
+def _leave_signals_to_the_rank(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM: a stop signals the rank's whole process group, and the rank
+    must finish its step and checkpoint (:mod:`trainer.preemption`), not fail on a dead worker. The
+    workers still end with the rank (torch's DataLoader watches its parent)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def to_batch(rows: np.ndarray) -> Batch:
@@ -99,6 +107,7 @@ class StepLoader:
                 num_workers=self.workers,
                 prefetch_factor=2 if self.workers else None,
                 persistent_workers=False,
+                worker_init_fn=_leave_signals_to_the_rank,
             )
             self._iterator = iter(loader)
         batch = next(self._iterator)
