@@ -5,6 +5,7 @@ API with JSON parameters; an invalid spec is rejected by the server, naming the 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -39,6 +40,8 @@ from trainer.metrics import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist]
 RUN_TIMEOUT_S = 420
+# Specs posted per suite run; TESSERA_HTTP_FUZZ_EXAMPLES=2000 for a full pass through the HTTP door.
+HTTP_FUZZ_EXAMPLES = int(os.environ.get("TESSERA_HTTP_FUZZ_EXAMPLES", "150"))
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +132,11 @@ def test_an_unknown_top_level_parameter_is_refused_by_the_server_naming_it(
     assert not (deployed[1] / "e2e-unknown").exists()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=HTTP_FUZZ_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(case=mutated_specs())
 def test_the_server_refuses_exactly_what_the_schema_check_refuses(
     client: SyncPrefectClient, deployed: object, case: tuple[dict[str, Any], str]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import signal
+import os
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -63,10 +63,10 @@ class _StepStream(IterableDataset):
 
 
 def _leave_signals_to_the_rank(worker_id: int) -> None:
-    """A loader worker ignores SIGTERM: a stop signals the rank's whole process group, and the rank
-    must finish its step and checkpoint (:mod:`trainer.preemption`), not fail on a dead worker. The
-    workers still end with the rank (torch's DataLoader watches its parent)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """A loader worker leaves its rank's process group: a stop signals that whole group, and the rank
+    must finish its step and checkpoint (:mod:`trainer.preemption`), not fail on a worker killed under
+    it. The worker still ends with the rank: torch's DataLoader stops it, and it watches its parent."""
+    os.setpgid(0, 0)
 
 
 def to_batch(rows: np.ndarray) -> Batch:
