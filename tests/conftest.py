@@ -1,3 +1,23 @@
-"""Shared pytest setup: object-store servers (tests/stores.py) and Prefect servers (tests/prefect_server.py)."""
+"""Shared pytest setup: object-store servers (tests/stores.py), Prefect servers (tests/prefect_server.py)
+and the fake Kubernetes API server (tests/k8s_fake.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.k8s_fake import FakeCluster, fake_cluster
 
 pytest_plugins = ["tests.stores", "tests.prefect_server"]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCluster]:
+    """An HTTP fake Kubernetes API server (tests/k8s_fake.py), reached through a kubeconfig."""
+    kubeconfig = tmp_path / "kubeconfig"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod: use the kubeconfig
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    with fake_cluster(kubeconfig) as fake:
+        yield fake

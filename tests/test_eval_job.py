@@ -14,7 +14,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from deployments.kubernetes import (
 from deployments.run import Run
 from deployments.spec import SPEC_DIR, TrainingSpec, load_spec
 from tasks.plan import plan_rows
-from tests.k8s_fake import FakeCluster, fake_cluster
+from tests.k8s_fake import FakeCluster
 from trainer import storage
 from trainer.config import JobConfig, ModelConfig
 from trainer.failures import EXIT_USER_ERROR
@@ -103,15 +102,6 @@ def test_a_prompt_is_passed_literally_not_expanded_by_kubernetes() -> None:
         0
     ]["args"]
     assert args[args.index("--sample-prompt") + 1] == "$$(HOME) $$"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCluster]:
-    kubeconfig = tmp_path / "kubeconfig"
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod: use the kubeconfig
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    with fake_cluster(kubeconfig) as fake:
-        yield fake
 
 
 def memory_run(tmp_path: Path) -> Run:

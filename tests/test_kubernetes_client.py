@@ -11,7 +11,6 @@ controllers' behaviour, which ``make k8s-smoke`` checks on a real cluster.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,20 +20,11 @@ from deployments.kubernetes import apply_manifests, delete_manifests, jobset_sta
 from deployments.run import Run
 from deployments.spec import SPEC_DIR, load_spec
 from tasks.provision import provisioned
-from tests.k8s_fake import FakeCluster, fake_cluster
+from tests.k8s_fake import FakeCluster
 from trainer.failures import EXIT_USER_ERROR, classify_exit
 from trainer.rundir import RunDir
 
 NAMESPACE = "default"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCluster]:
-    kubeconfig = tmp_path / "kubeconfig"
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod: use the kubeconfig
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    with fake_cluster(kubeconfig) as fake:
-        yield fake
 
 
 def gpu_run(runs: Path | None = None) -> Run:
