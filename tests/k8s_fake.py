@@ -129,25 +129,16 @@ class FakeCluster:
         (replicated,) = jobset["spec"]["replicatedJobs"]
         for index in range(replicated["template"]["spec"]["completions"]):
             pod_name = f"{name}-{replicated['name']}-0-{index}-abcde"
-            self.objects[("pods", namespace, pod_name)] = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": pod_name,
-                    "namespace": namespace,
-                    "uid": str(uuid.uuid4()),
-                    "labels": {JOBSET_LABEL: name},
-                    "ownerReferences": [
-                        {
-                            "apiVersion": jobset["apiVersion"],
-                            "kind": "JobSet",
-                            "name": name,
-                            "uid": jobset["metadata"]["uid"],
-                        }
-                    ],
-                },
-                "status": {"phase": "Running", "containerStatuses": [_container({"running": {}})]},
+            owner = {
+                "apiVersion": jobset["apiVersion"],
+                "kind": "JobSet",
+                "name": name,
+                "uid": jobset["metadata"]["uid"],
             }
+            running = {"phase": "Running", "containerStatuses": [_container({"running": {}})]}
+            self.objects[("pods", namespace, pod_name)] = _pod(
+                pod_name, namespace, {JOBSET_LABEL: name}, owner, running
+            )
 
     def fail_pod(self, namespace: str, name: str, exit_code: int | None, log: str = "") -> str:
         """Pod 0 of the JobSet fails (``exit_code``; None: evicted, condition DisruptionTarget). The Job
@@ -188,26 +179,33 @@ class FakeCluster:
         with self.lock:
             job = self.objects[("jobs", namespace, name)]
             pod_name = f"{name}-abcde"
-            self.objects[("pods", namespace, pod_name)] = {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": pod_name,
-                    "namespace": namespace,
-                    "uid": str(uuid.uuid4()),
-                    "labels": {JOB_LABEL: name},
-                    "ownerReferences": [
-                        {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"]}
-                    ],
-                },
-                "status": {
-                    "phase": "Failed" if exit_code else "Succeeded",
-                    "containerStatuses": [_container(_terminated(exit_code))],
-                },
+            owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"]}
+            ended = {
+                "phase": "Failed" if exit_code else "Succeeded",
+                "containerStatuses": [_container(_terminated(exit_code))],
             }
+            self.objects[("pods", namespace, pod_name)] = _pod(
+                pod_name, namespace, {JOB_LABEL: name}, owner, ended
+            )
             self.logs[pod_name] = log
             condition = "Failed" if exit_code else "Complete"
             job["status"] = {"conditions": [{"type": condition, "status": "True"}]}
+
+
+def _pod(name: str, namespace: str, labels: dict[str, str], owner: Obj, status: Obj) -> Obj:
+    """A Pod as a controller creates it: labelled, owned (so deleting the owner collects it), with a status."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": str(uuid.uuid4()),
+            "labels": labels,
+            "ownerReferences": [owner],
+        },
+        "status": status,
+    }
 
 
 def _container(state: Obj) -> Obj:

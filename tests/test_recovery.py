@@ -120,6 +120,22 @@ def kill_rank_1(agent: Agent, run_dir: Path, times_resumed: int, lose_memory: Pa
     return Recovery(max(0, completed - resumed), resumed_at - killed_at, line)
 
 
+def record_recovery(scenario: Scenario, recovery: Recovery, fault: str, tier: str) -> None:
+    """The recovery's row of the reliability report."""
+    same_curve = curve(scenario.run_dir) == curve(scenario.reference_dir)
+    row = FaultRow(
+        f"{fault} (restored from {tier})",
+        "recovered",
+        "node_failure",
+        None,
+        recovery.steps_lost,
+        round(recovery.resumed_s, 1),
+        same_curve,
+        restored_from=tier,
+    )
+    record(row)
+
+
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     base = tmp_path_factory.mktemp("recovery")
@@ -152,18 +168,7 @@ def test_killed_rank_resumes_from_own_host_memory(scenario: Scenario) -> None:
     assert "exitcode: -9" in scenario.log  # a rank really died by SIGKILL
     assert "(own host memory)" in scenario.own.resumed_line, scenario.log[-6000:]
     assert 0 <= scenario.own.steps_lost <= MEMORY_INTERVAL  # storage alone would lose up to 4
-    record(
-        FaultRow(
-            "kill -9 of one rank after step 6 (restored from own host memory)",
-            "recovered",
-            "node_failure",
-            None,
-            scenario.own.steps_lost,
-            round(scenario.own.resumed_s, 1),
-            curve(scenario.run_dir) == curve(scenario.reference_dir),
-            restored_from="own memory",
-        )
-    )
+    record_recovery(scenario, scenario.own, "kill -9 of one rank after step 6", "own memory")
 
 
 @pytest.mark.dist
@@ -174,17 +179,8 @@ def test_rank_whose_host_memory_is_lost_resumes_from_its_peer(scenario: Scenario
         "(own host memory)" in scenario.peer.resumed_line or "(peer host memory" in scenario.peer.resumed_line
     )
     assert 0 <= scenario.peer.steps_lost <= MEMORY_INTERVAL
-    record(
-        FaultRow(
-            "host memory lost + kill -9 of one rank after step 9 (restored from the peer's memory)",
-            "recovered",
-            "node_failure",
-            None,
-            scenario.peer.steps_lost,
-            round(scenario.peer.resumed_s, 1),
-            curve(scenario.run_dir) == curve(scenario.reference_dir),
-            restored_from="peer memory",
-        )
+    record_recovery(
+        scenario, scenario.peer, "host memory lost + kill -9 of one rank after step 9", "peer memory"
     )
 
 

@@ -8,16 +8,15 @@ A shard is built in memory (``samples_per_shard × (seq_len + 1)`` tokens: a few
 one retried put, so a shard in the store is always whole and its sha256 is known before it lands.
 Puts run on a few background threads so store latency overlaps packing the next shard.
 
-Shards are written with ``tarfile`` in GNU format rather than webdataset's ``TarWriter``, which
-always builds PAX headers: per-member header encoding was half the cost of sharding at seq_len 256.
-They are plain webdataset shards, read back with webdataset's tar iterators
+Shards are GNU-format tars rather than what webdataset's ``TarWriter`` writes, which always builds PAX
+headers: per-member header encoding was half the cost of sharding at seq_len 256. Their headers are
+filled in by numpy, byte for byte what ``tarfile`` writes. They are plain webdataset shards, read back with webdataset's tar iterators
 (:func:`trainer.data.fetch.decode_shard`; webdataset imports torch, which writing does not need).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import tarfile
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -28,8 +27,10 @@ from trainer.storage import join, write_atomic
 
 TOKENS_EXT = "tokens"
 UPLOAD_THREADS = 4
+KEY_DIGITS = 9  # sample keys within a split of a part: 000000000, 000000001, ...
 # Fixed tar mtime: the same samples always produce byte-identical shards (and sha256s).
 _TAR_MTIME = 0.0
+_CHKSUM = slice(148, 156)  # a tar header's checksum field
 
 
 def token_dtype(vocab_size: int) -> TokenDtype:
@@ -41,14 +42,32 @@ def shard_name(split: Split, index: int) -> str:
 
 
 def encode_shard(samples: np.ndarray, dtype: TokenDtype, first_key: int) -> bytes:
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        for offset, row in enumerate(samples.astype(dtype, copy=False)):
-            data = row.tobytes()
-            member = tarfile.TarInfo(f"{first_key + offset:09d}.{TOKENS_EXT}")
-            member.size, member.mtime = len(data), _TAR_MTIME
-            tar.addfile(member, io.BytesIO(data))
-    return buffer.getvalue()
+    """The samples as a GNU tar, byte for byte what ``tarfile`` writes, with every header built at once.
+
+    Every member has the same size, mode and mtime, so headers differ only in their 9-digit name and
+    checksum: numpy fills those for the whole shard from one ``tarfile`` header, instead of ``tarfile``
+    encoding each member in Python (a tenth of a part's preparation time at seq_len 256).
+    ``tests/test_shards.py`` checks the bytes against ``tarfile``'s own.
+    """
+    rows = np.ascontiguousarray(samples.astype(dtype, copy=False))
+    count, row_bytes = len(rows), rows.shape[1] * rows.itemsize
+    if first_key + count > 10**KEY_DIGITS:
+        raise ValueError(f"sample keys past {10**KEY_DIGITS - 1} do not fit a {KEY_DIGITS}-digit name")
+    member = tarfile.TarInfo(f"{0:0{KEY_DIGITS}d}.{TOKENS_EXT}")
+    member.size, member.mtime = row_bytes, _TAR_MTIME
+    header = np.frombuffer(member.tobuf(tarfile.GNU_FORMAT), dtype=np.uint8)
+    records = np.zeros((count, tarfile.BLOCKSIZE + row_bytes + -row_bytes % tarfile.BLOCKSIZE), np.uint8)
+    headers = records[:, : tarfile.BLOCKSIZE]
+    headers[:] = header
+    keys = np.arange(first_key, first_key + count, dtype=np.int64)[:, None]
+    headers[:, :KEY_DIGITS] = keys // 10 ** np.arange(KEY_DIGITS - 1, -1, -1) % 10 + ord("0")
+    headers[:, _CHKSUM] = ord(" ")  # the checksum is over the header with its own field as spaces
+    checksums = headers.sum(axis=1, dtype=np.int64)[:, None]
+    headers[:, _CHKSUM.start : _CHKSUM.start + 6] = checksums // 8 ** np.arange(5, -1, -1) % 8 + ord("0")
+    headers[:, _CHKSUM.start + 6] = 0  # tarfile's "%06o\0", then the field's last space
+    records[:, tarfile.BLOCKSIZE : tarfile.BLOCKSIZE + row_bytes] = rows.view(np.uint8).reshape(count, -1)
+    archive = records.tobytes() + bytes(2 * tarfile.BLOCKSIZE)  # end-of-archive: two zero blocks
+    return archive + bytes(-len(archive) % tarfile.RECORDSIZE)
 
 
 class ShardSink:
