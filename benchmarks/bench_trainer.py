@@ -3,8 +3,8 @@
 Both sides train the ``small`` preset on 2 CPU processes over gloo, with the same model class and
 init, the same synthetic samples, global batch, micro-batching, AdamW and gradient clipping. The
 trainer runs through ``Run.open`` and ``trainer.launch.run_agents`` (the path ``tessera train``
-takes) twice: with replicated parameters (``dp_replicate=2``: DDP's communication, so the ratio is
-the loop's own overhead) and with the local specs' FSDP2 layout (``dp_shard=2``: all-gathers and
+takes) twice: pure data parallelism (``dp_replicate=2``, which the trainer runs on DDP, so the ratio
+is the loop's own overhead) and the local specs' FSDP2 layout (``dp_shard=2``: all-gathers and
 reduce-scatters per micro-batch, the price of sharding); the baseline is ``DistributedDataParallel``
 with a plain loop. Throughput is tokens per step over the median step time after warm-up, so a
 noisy neighbour on a shared box moves both the same way.
@@ -146,7 +146,7 @@ def breakdown(sides: dict[str, dict[str, float]]) -> str:
 
 def run() -> dict[str, Any]:
     fsdp = TrainingSpec.model_validate(SPEC).job_config(data_url=None)
-    # Replicated parameters do exactly DDP's communication: this ratio is the trainer's own overhead.
+    # Pure data parallelism runs on DDP in the trainer too: this ratio is the trainer's own overhead.
     replicated = {**SPEC, "parallel": {"dp_replicate": NPROC}}
     tokens_per_step = fsdp.train.global_batch_size * fsdp.train.seq_len
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:

@@ -174,7 +174,8 @@ class Run:
         poll: Callable[[], None] = lambda: None,
     ) -> LaunchResult:
         """Run this run's torchrun agents on this host (default: one, as ``tessera train`` does) with
-        the backend's environment; an agent held stopped for ``faults.step_timeout_s`` is a hang."""
+        the backend's environment; an agent held stopped for ``faults.step_timeout_s`` is a hang. With
+        ``faults.min_nodes`` a lost agent does not end the run (see :func:`trainer.launch.run_agents`)."""
         return run_agents(
             commands or [self.torchrun_command()],
             launch_env(self.job),
@@ -182,6 +183,7 @@ class Run:
             echo=echo,
             poll=poll,
             stopped_after_s=self.job.faults.step_timeout_s,
+            elastic=self.job.faults.min_nodes is not None,
         )
 
     def torchrun_command(
@@ -204,6 +206,8 @@ class Run:
             rdzv_endpoint,
             self.spec.faults.max_restarts,
             run_id=self.run_id,
+            min_nodes=self.spec.faults.min_nodes,
+            replacement_wait_s=self.spec.faults.replacement_wait_s,
         )
         return [python, *command[1:]]
 

@@ -30,6 +30,7 @@ from trainer.config import (
     TrainConfig,
     layout_errors,
 )
+from trainer.elastic import elastic_errors
 from trainer.plan import fit_error
 
 SPEC_DIR = Path(__file__).parent / "specs"
@@ -75,19 +76,19 @@ class ClusterSpec(HardwareConfig):
         None,
         pattern=NAME_PATTERN,
         description="Kubernetes Secret whose keys become the trainer's environment, e.g. AWS_ACCESS_KEY_ID "
-        "for the buckets (k8s pools); the spec holds only its name. Process pools use the worker's environment.",
+        "(k8s pools).",
     )
     queue: str | None = Field(
         None,
         pattern=DNS_LABEL,
-        description="Kueue LocalQueue in the namespace that admits the training JobSet as one gang (k8s pools); "
-        "empty: the JobSet is not queued and starts as soon as Kubernetes can place it.",
+        description="Kueue LocalQueue that admits the training JobSet as one gang (k8s pools); empty: not "
+        "queued.",
     )
     service_account: str | None = Field(
         None,
         pattern=DNS_LABEL,
-        description="Kubernetes service account of the training pods (k8s pools), e.g. one bound to an IAM "
-        "role (IRSA) or a Google service account (Workload Identity) for the buckets; empty: the namespace's default.",
+        description="Service account of the training pods, e.g. one with bucket access (k8s pools); empty: "
+        "the namespace's default.",
     )
 
     @property
@@ -108,13 +109,12 @@ class EvalSpec(Strict):
 
 
 class TrainingSpec(Strict):
-    """A training deployment: model, data, layout, cluster, and the policies around them.
-
-    Fields are in the order of the run form, read top-down: what people change on most runs (model,
-    length and batch, cluster, layout), then the data, then the policies, then run continuation.
-    """
+    """A training deployment: model, data, layout, cluster, and the policies around them."""
 
     model_config = ConfigDict(json_schema_extra=form_rules)
+
+    # Fields are in the order of the run form, read top-down: what people change on most runs (model,
+    # length and batch, cluster, layout), then the data, then the policies, then run continuation.
 
     name: str = Field("tiny-local", pattern=NAME_PATTERN, description="Run name (lowercase, digits, '-').")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Architecture.")
@@ -140,13 +140,13 @@ class TrainingSpec(Strict):
     resume_from: str | None = Field(
         None,
         pattern=RUN_ID_PATTERN,
-        description="Continue this earlier run (its run id, the name of its directory under runs/, e.g. "
-        "tiny-local-3f2a9c1b) instead of starting a new one. Empty: every flow run is a new run.",
+        description="Continue this earlier run: its run id (its directory under runs/), e.g. "
+        "tiny-local-3f2a9c1b; empty: a new run.",
     )
     allow_changes: list[str] = Field(
         default_factory=list,
-        description="Fields that may differ from the run being continued, e.g. optimizer.lr or train.steps "
-        "(a section name allows all its fields). Other changes that affect training are refused.",
+        description="Fields that may differ from the continued run, e.g. optimizer.lr or train (a whole "
+        "section); other training changes are refused.",
     )
 
     @model_validator(mode="after")
@@ -158,6 +158,7 @@ class TrainingSpec(Strict):
                 f"use one of {', '.join(chips_for(cluster.accelerator))}"
             )
         errors = layout_errors(self.model, self.parallel, self.train, cluster)
+        errors += elastic_errors(self.model, self.parallel, self.train, cluster, self.faults)
         if self.data.source == "files" and not self.data.paths:
             errors.append("data.source=files needs data.paths (files, globs or gs:// / s3:// URLs)")
         if errors:

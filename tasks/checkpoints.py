@@ -21,6 +21,7 @@ from deployments.eval_job import run_eval_job
 from deployments.eval_placement import eval_placement
 from deployments.run import Run
 from tasks.curves import inline_png, plot_loss_curve
+from tasks.keys import artifact_key
 from trainer.checkpoint.pins import unpin
 from trainer.checkpoint.validate import ValidationResult, validate_checkpoint
 from trainer.config import JobConfig
@@ -82,19 +83,19 @@ def _evaluate(validation: ValidationResult, run: Run) -> dict[str, Any]:
                 "sample": record["sample"],
             }
         ],
-        key=f"{job.name}-eval",
+        key=artifact_key(run.run_id, "eval"),
         description=f"Evaluation of {validation.step_url}",
     )
-    publish_loss_curve(run.dir, job.name)
+    publish_loss_curve(run.dir)
     return record
 
 
-def publish_loss_curve(run_dir: RunDir, name: str) -> Path:
+def publish_loss_curve(run_dir: RunDir) -> Path:
     """Redraw ``loss.png`` from the metrics and stored evaluations, and publish it inline."""
     path = plot_loss_curve(read_metrics(run_dir.metrics), read_evals(run_dir), run_dir.loss_curve)
     create_markdown_artifact(
         inline_png(path, "loss curve"),
-        key=f"{name}-loss-curve",
+        key=artifact_key(run_dir.run_id, "loss-curve"),
         description="Training loss vs held-out loss per checkpoint",
     )
     return path

@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from deployments.run import Run
 from tasks.curves import inline_png, plot_comparison
+from tasks.keys import artifact_key
 from trainer.compare import RunRecord, comparison_markdown
 
 
@@ -28,7 +29,12 @@ def previous_run(run: Run) -> RunRecord | None:
 
 
 def publish_comparison(run: Run) -> str | None:
-    """The ``<spec name>-comparison`` artifact of this run against the previous one; None if it is the first."""
+    """The ``<run id>-comparison`` artifact of this run against the previous one; None if it is the first.
+
+    Keyed on this run, like its report: the comparison is one of its findings, found from its run page
+    or its id, and a continuation redraws it. A spec-wide key would interleave the spec's runs (and
+    concurrent ones) in one history, whose latest version would be whichever run reported last.
+    """
     before = previous_run(run)
     if before is None:
         return None
@@ -37,7 +43,7 @@ def publish_comparison(run: Run) -> str | None:
     markdown = comparison_markdown(runs, inline_png(png, "loss curves"))
     create_markdown_artifact(
         markdown,
-        key=f"{run.spec.name}-comparison",
+        key=artifact_key(run.run_id, "comparison"),
         description=f"{run.run_id} against the previous run of {run.spec.name}, {before.run_id}",
     )
     return markdown

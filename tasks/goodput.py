@@ -12,6 +12,7 @@ import time
 from prefect.artifacts import create_markdown_artifact
 
 from deployments.run import Run
+from tasks.keys import artifact_key
 from trainer.goodput import account_run, append_event, format_markdown
 from trainer.rundir import RunDir
 
@@ -24,6 +25,8 @@ def publish_goodput(run: Run) -> str:
     """The breakdown of the run's wall time as a markdown artifact; the markdown, for ``report.md``."""
     markdown = format_markdown(account_run(run.dir.goodput, run.dir.metrics))
     create_markdown_artifact(
-        markdown, key=f"{run.spec.name}-goodput", description=f"Where run {run.run_id}'s wall time went"
+        markdown,
+        key=artifact_key(run.run_id, "goodput"),
+        description=f"Where run {run.run_id}'s wall time went",
     )
     return markdown

@@ -10,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from deployments.eval_placement import eval_placement
 from deployments.run import Run
 from tasks.curves import inline_png
+from tasks.keys import artifact_key
 from trainer.measured import planned_vs_measured
 from trainer.plan import Plan
 from trainer.plan.chart import plot_memory_breakdown
@@ -28,7 +29,7 @@ def plan_task(run: Run) -> Plan:
     chart = plot_memory_breakdown(plan, run.dir.memory_chart)
     create_markdown_artifact(
         inline_png(chart, "memory per chip"),
-        key=f"{spec.name}-memory",
+        key=artifact_key(run.run_id, "memory"),
         description=f"Planned memory per chip vs {spec.cluster.chip} HBM",
     )
     if not plan.fits:
@@ -58,7 +59,7 @@ def publish_plan(run: Run, records: list[dict[str, Any]]) -> None:
     spec = run.spec
     create_table_artifact(
         plan_rows(run, records),
-        key=f"{spec.name}-plan",
+        key=artifact_key(run.run_id, "plan"),
         description=f"Plan{' vs measured' if records else ''} for {run.run_id}: {spec.model.preset} on "
         f"{spec.cluster.world_size} × {spec.cluster.chip}",
     )

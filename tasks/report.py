@@ -11,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact
 from deployments.run import Run
 from tasks.compare import publish_comparison
 from tasks.goodput import publish_goodput
+from tasks.keys import artifact_key
 from tasks.plan import plan_rows, publish_plan
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.measured import markdown_table
@@ -62,7 +63,7 @@ def report_task(run: Run, final_url: str, evals: list[dict[str, Any]], missed: l
     publish_plan(run, metrics)  # the plan artifact's new version: planned beside measured
     markdown = report_markdown(run, final_url, metrics, evals, missed) + "\n\n" + publish_goodput(run)
     create_markdown_artifact(
-        markdown, key=f"{run.spec.name}-report", description=f"Training report for run {run.run_id}"
+        markdown, key=artifact_key(run.run_id, "report"), description=f"Training report for run {run.run_id}"
     )
     run.dir.report.write_text(markdown + "\n")
     publish_comparison(run)

@@ -25,6 +25,7 @@ from deployments.run import Run
 from tasks.attempts import publish, record_failure, summary
 from tasks.checkpoints import publish_loss_curve
 from tasks.goodput import record_launch
+from tasks.keys import artifact_key
 from tasks.live import CURVE_INTERVAL_S, Every, StepLines, step_line
 from tasks.provision import LaunchTarget
 from trainer.checkpoint.manifest import list_checkpoints
@@ -87,7 +88,7 @@ class Progress:
         self.lines = StepLines(self.total, run.job.train.step_line_every)
         self.curve_due = Every(CURVE_INTERVAL_S)
         self.artifact = create_progress_artifact(
-            0.0, key=f"{run.job.name}-progress", description="waiting for the first step"
+            0.0, key=artifact_key(run.run_id, "progress"), description="waiting for the first step"
         )
 
     def update(self, final: bool = False) -> None:
@@ -97,7 +98,7 @@ class Progress:
         if fresh:
             self._show(records)
         if records and (final or (fresh and self.curve_due())):
-            publish_loss_curve(self.run.dir, self.run.job.name)
+            publish_loss_curve(self.run.dir)
 
     def _show(self, records: list[dict[str, Any]]) -> None:
         if self.copy_to is not None:
@@ -166,7 +167,7 @@ def train_task(target: LaunchTarget) -> str:
     if kind != "ok":
         exit_code = worker_exit_code(code, tail)
         history = record_failure(run.dir, run.checkpoint_url, kind, exit_code)
-        publish(history, key=f"{job.name}-failures")
+        publish(history, key=artifact_key(run.run_id, "failures"))
         raise TrainingFailed(kind, exit_code, tail, summary(history))
     checkpoints = [m for m in list_checkpoints(run.checkpoint_url) if m.good]
     if not checkpoints:

@@ -271,7 +271,8 @@ def run(spec: SpecPath) -> None:
     typer.echo(
         f"\nfinal checkpoint: {final}\nrun dir:          {directory.parent if directory else '-'}  "
         f"(metrics.jsonl, loss.png, evals/, report.md)\nartifacts:        prefect artifact ls  (keys "
-        f"{loaded.name}-plan, -progress, -eval, -loss-curve, -report, -comparison)"
+        f"{directory.parent.name if directory else '<run id>'}-plan, -progress, -eval, -loss-curve, -report, "
+        "-comparison)"
     )
 
 
@@ -363,7 +364,7 @@ def export_checkpoint(
     spec: ModelSpec,
     dtype: Annotated[str, typer.Option(help="bf16 (what the Hub ships) or fp32 (exact).")] = "bf16",
 ) -> None:
-    """Export a checkpoint's weights as Hugging Face Llama safetensors + config.json into a new directory.
+    """Export a checkpoint's weights as Hugging Face Llama (MoE: Mixtral) safetensors + config.json.
 
     Example: tessera export runs/<run>/checkpoints build/hf --spec deployments/specs/local-cpu.yaml
     """
@@ -386,7 +387,7 @@ def import_checkpoint(
     checkpoint_url: Annotated[str, typer.Argument(help="Where to write it (its step-000000 directory).")],
     spec: ModelSpec,
 ) -> None:
-    """Import Hugging Face Llama safetensors as a tessera checkpoint (weights only) for the spec's model.
+    """Import Hugging Face Llama or Mixtral safetensors as a tessera checkpoint (weights only) for the spec's model.
 
     Example: tessera import build/hf runs/imported/checkpoints --spec deployments/specs/local-cpu.yaml
     """

@@ -30,6 +30,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelled, Cancelling, Scheduled
 
 from deployments.register import REPO_ROOT
+from tasks.keys import artifact_key
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, server_env, start_process, stop_process
@@ -187,7 +188,7 @@ def test_pipeline_deployment_run_trains_validates_and_evaluates(
         "step-000003.json",
         "step-000006.json",
     ]
-    keys = {f"e2e-tiny-{k}" for k in ("plan", "progress", "eval", "loss-curve", "report")}
+    keys = {artifact_key(run_dir.name, k) for k in ("plan", "progress", "eval", "loss-curve", "report")}
     artifacts = client.read_artifacts(
         artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sorted(keys)))
     )

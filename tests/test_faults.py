@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch.distributed
 
 from deployments.kubernetes import render_manifests
 from deployments.run import Run
@@ -351,6 +352,8 @@ def test_infrastructure_errors_are_retryable_and_user_errors_are_not() -> None:
     assert is_infra_error(OSError(errno.EBUSY, "SlowDown"))
     assert is_infra_error(RuntimeError("DataLoader worker (pid 123) is killed by signal: Killed."))
     assert is_infra_error(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+    store_timeout = torch.distributed.DistStoreError("wait timeout after 30000ms, keys: /0//cpu//0/1")
+    assert is_infra_error(store_timeout)  # e.g. a peer that left mid-rendezvous: retry, not a user error
     assert not is_infra_error(FileNotFoundError("s3://b/c/manifest.json"))
     assert not is_infra_error(CheckpointStoreError("checkpoint URL 'nosuch://b' is not usable"))
     assert not is_infra_error(UserError("loss is nan at step 5; lower optimizer.lr"))

@@ -12,11 +12,12 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 from uuid import UUID
 
 import pytest
 from prefect import flow, get_client, task
+from prefect.artifacts import create_markdown_artifact
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterKey,
@@ -25,9 +26,11 @@ from prefect.client.schemas.filters import (
     LogFilter,
     LogFilterFlowRunId,
 )
-from prefect.client.schemas.objects import TaskRun
+from prefect.client.schemas.objects import Artifact, TaskRun
 
+from deployments.run import new_run_id
 from flows.pipeline import Evaluation, completed, evaluate_checkpoints, train_pipeline
+from tasks.keys import ArtifactKind, artifact_key
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import run_of, tiny_spec
 from tests.sockets import ListenerSampler
@@ -103,13 +106,23 @@ def train_task_run(flow_run_id: UUID) -> TaskRun:
     return next(run for name, run in task_runs(flow_run_id).items() if name.startswith("train"))
 
 
-def artifact_keys(prefix: str) -> set[str]:
-    keys = {f"{prefix}-{kind}" for kind in ("plan", "progress", "eval", "loss-curve", "report", "goodput")}
+def artifacts_of(run_id: str) -> list[Artifact]:
+    """Every version of every artifact of the run ``run_id`` (``like_`` matches anywhere in a key)."""
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=sorted(keys)))
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=f"{run_id}-"))
         )
-    return {a.key for a in found}
+    return [a for a in found if a.key and a.key.startswith(f"{run_id}-")]
+
+
+def test_every_artifact_key_of_the_longest_run_id_is_one_prefect_accepts() -> None:
+    run_id = new_run_id("a" * 48)  # the longest spec name deployments.spec.NAME_PATTERN allows
+    keys = [artifact_key(run_id, kind) for kind in get_args(ArtifactKind)]
+    for key in keys:
+        create_markdown_artifact("-", key=key)
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+    assert {a.key for a in found} == set(keys) and max(len(k) for k in keys) == 68
 
 
 @pytest.mark.fault
@@ -173,8 +186,9 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
             LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
         )
     assert any(log.message.startswith("step 12/12 · loss ") for log in logs)
-    assert artifact_keys(spec.name) == {
-        f"{spec.name}-{k}" for k in ("plan", "progress", "eval", "loss-curve", "report", "goodput")
+    assert {a.key for a in artifacts_of(run.run_id)} == {
+        artifact_key(run.run_id, k)
+        for k in ("plan", "memory", "progress", "eval", "loss-curve", "failures", "report", "goodput")
     }
     # Where the wall time went: the kill cost one restart; each launch waited for its first process.
     goodput = run.report.read_text().split("## Goodput", 1)[1]
@@ -236,7 +250,8 @@ def flow_run_count(flow_run_id: UUID) -> int:
 def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checked(
     tmp_path: Path, runs_dir: Path
 ) -> None:
-    """The resume rules of deployments/run.py, each through a real flow run on the Prefect server."""
+    """The resume rules of deployments/run.py, each through a real flow run on the Prefect server, and
+    the artifact histories they give: one per run."""
     # A retry of the flow run reopens its run and resumes: kill -9 at step 3, no task retry, one flow retry.
     spec = tiny_spec(
         tmp_path, "ident", steps=4, interval=2, faults={"max_restarts": 0, "node_failure_retries": 0}
@@ -284,11 +299,20 @@ def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checke
     # Each flow run has a name of its own, the run's; a run that follows another is compared with it.
     with get_client(sync_client=True) as client:
         names = [client.read_flow_run(s.state_details.flow_run_id).name for s in (first, second, continued)]
-        comparisons = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["ident-comparison"]))
-        )
     assert names[:2] == [f"train-{run.run_id}", f"train-{fresh.name}"]
     assert names[2] == f"train-{run.run_id}-continued-{continued.state_details.flow_run_id.hex[:8]}"
+
+    # Each run has artifact histories of its own: the first run's hold its flow runs' versions (its
+    # continuation extends them, so its report has two), the second run's only the second flow run's.
+    flow_runs = {fresh.name: (second,), run.run_id: (first, continued)}
+    for run_id, states in flow_runs.items():
+        versions = artifacts_of(run_id)
+        assert {a.key for a in versions} >= {
+            artifact_key(run_id, k) for k in ("plan", "report", "comparison")
+        }
+        assert {a.flow_run_id for a in versions} == {s.state_details.flow_run_id for s in states}
+    assert sum(a.key == artifact_key(run.run_id, "report") for a in artifacts_of(run.run_id)) == 2
+    comparisons = [a for r in flow_runs for a in artifacts_of(r) if a.key == artifact_key(r, "comparison")]
     assert {a.description for a in comparisons} == {
         f"{fresh.name} against the previous run of ident, {run.run_id}",
         f"{run.run_id} against the previous run of ident, {fresh.name}",

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from tessera.cli import app
 from trainer.checkpoint import CheckpointManager, ModelOptimizerState
 from trainer.checkpoint.hf import export_hf, import_hf
-from trainer.config import CheckpointConfig, JobConfig
+from trainer.config import CheckpointConfig, JobConfig, ModelConfig
 from trainer.evaluate import load_model
 from trainer.failures import UserError
 from trainer.model import Transformer, apply_rope
@@ -47,22 +48,27 @@ HF_SHAPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
-    """A committed checkpoint of MODEL after one AdamW step, and its weights."""
-    model = Transformer(JOB.model, max_seq_len=16)
-    model.init_weights(JOB.seed)
+def train_and_save(job: JobConfig, url: str) -> dict[str, torch.Tensor]:
+    """Commit a checkpoint of job's model after one AdamW step at url; return its weights."""
+    model = Transformer(job.model, max_seq_len=job.train.seq_len)
+    model.init_weights(job.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(128, (2, 17), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(job.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
-    url = str(tmp_path_factory.mktemp("hf") / "checkpoints")
     manager = CheckpointManager(
-        url, CheckpointConfig(mode="sync"), 1, JOB.model_fingerprint(), 1, 0, JOB.parallel.model_dump()
+        url, CheckpointConfig(mode="sync"), 1, job.model_fingerprint(), 1, 0, job.parallel.model_dump()
     )
     manager.maybe_save(1, {"app": ModelOptimizerState([model], [optimizer])}, {"tokens": 32})
     manager.close()
-    return url, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
+    """A committed checkpoint of MODEL after one AdamW step, and its weights."""
+    url = str(tmp_path_factory.mktemp("hf") / "checkpoints")
+    return url, train_and_save(JOB, url)
 
 
 def read_safetensors(out: Path) -> dict[str, torch.Tensor]:
@@ -165,3 +171,131 @@ def test_cli_exports_and_imports(trained: tuple[str, dict[str, torch.Tensor]], t
     result = runner.invoke(app, ["import", str(out), str(tmp_path / "back"), "--spec", str(spec)])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "back" / "step-000000" / "tessera.json").exists()
+
+
+# tiny-moe without its shared expert (Mixtral has none): 2 layers, 8 experts of width 128, top-2.
+TINY_MOE = {"preset": "tiny-moe", "moe": {"n_experts": 8, "top_k": 2}}
+# Every other layer sparse: layer 0 stays a dense SwiGLU of width 96, layer 1 has 4 experts of width 32.
+EVERY_OTHER = {**MODEL, "moe": {"n_experts": 4, "top_k": 2, "every_n_layers": 2, "expert_ffn_dim": 32}}
+
+
+def mixtral_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """transformers' MixtralForCausalLM names and shapes (dense layers: Llama's mlp), written out by hand."""
+    d, f, e = cfg.dim, cfg.expert_ffn_dim, cfg.moe.n_experts  # type: ignore[union-attr]
+    kv = cfg.n_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, d),
+        "model.norm.weight": (d,),
+        "lm_head.weight": (cfg.vocab_size, d),
+    }
+    for i in range(cfg.n_layers):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (d, d),
+            f"{layer}.self_attn.k_proj.weight": (kv, d),
+            f"{layer}.self_attn.v_proj.weight": (kv, d),
+            f"{layer}.self_attn.o_proj.weight": (d, d),
+            f"{layer}.input_layernorm.weight": (d,),
+            f"{layer}.post_attention_layernorm.weight": (d,),
+        }
+        if not cfg.is_moe_layer(i):
+            f_dense = cfg.ffn_dim
+            shapes |= {
+                f"{layer}.mlp.gate_proj.weight": (f_dense, d),
+                f"{layer}.mlp.up_proj.weight": (f_dense, d),
+                f"{layer}.mlp.down_proj.weight": (d, f_dense),
+            }
+            continue
+        shapes[f"{layer}.block_sparse_moe.gate.weight"] = (e, d)
+        for j in range(e):
+            expert = f"{layer}.block_sparse_moe.experts.{j}"
+            shapes |= {
+                f"{expert}.w1.weight": (f, d),
+                f"{expert}.w3.weight": (f, d),
+                f"{expert}.w2.weight": (d, f),
+            }
+    return shapes
+
+
+@pytest.mark.parametrize("model", [TINY_MOE, EVERY_OTHER], ids=["tiny-moe", "every_other_layer"])
+def test_moe_exports_as_mixtral_and_imports_identical_tensors(model: dict, tmp_path: Path) -> None:
+    job = JobConfig.model_validate({"seed": 5, "model": model, "train": {"seq_len": 16}})
+    weights = train_and_save(job, str(tmp_path / "checkpoints"))
+    out = export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf", dtype="fp32")
+    exported = read_safetensors(out)
+    assert {k: tuple(v.shape) for k, v in exported.items()} == mixtral_shapes(job.model)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["model_type"] == "mixtral"
+    moe = job.model.moe
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (moe.n_experts, moe.top_k)
+    assert config["intermediate_size"] == job.model.expert_ffn_dim
+    assert config["router_aux_loss_coef"] == moe.aux_loss_coef
+    assert config.get("decoder_sparse_step", 1) == moe.every_n_layers
+    # Expert j of a layer is row j of tessera's stacked weight, as an [out, in] nn.Linear weight.
+    last = job.model.n_layers - 1
+    for j in range(moe.n_experts):
+        for w in ("w1", "w2", "w3"):
+            assert torch.equal(
+                exported[f"model.layers.{last}.block_sparse_moe.experts.{j}.{w}.weight"],
+                weights[f"layers.{last}.feed_forward.experts.{w}"][j].T,
+            )
+
+    _, restored = load_model(import_hf(out, job, str(tmp_path / "imported")), job)
+    state = restored.state_dict()
+    assert set(state) == set(weights)
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+
+
+def test_mixtral_block_computed_from_the_export_is_tesseras_moe_layer(tmp_path: Path) -> None:
+    """transformers' MixtralSparseMoeBlock, written out: softmax router, top-k, weights renormalized,
+    sum of w2(silu(w1 x) * w3 x) over the chosen experts."""
+    job = JobConfig.model_validate({"seed": 5, "model": TINY_MOE, "train": {"seq_len": 16}})
+    weights = train_and_save(job, str(tmp_path / "checkpoints"))
+    exported = read_safetensors(export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf", dtype="fp32"))
+    model = Transformer(job.model, max_seq_len=16)
+    model.load_state_dict(weights)
+    x = torch.randn(2, 16, 128, generator=torch.Generator().manual_seed(1))
+    block = "model.layers.0.block_sparse_moe"
+    probs = (x @ exported[f"{block}.gate.weight"].T).softmax(-1)
+    top, chosen = probs.topk(2, dim=-1)
+    top = top / top.sum(-1, keepdim=True)
+    theirs = torch.zeros_like(x)
+    for j in range(8):
+        w1, w2, w3 = (exported[f"{block}.experts.{j}.{w}.weight"] for w in ("w1", "w2", "w3"))
+        out = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        theirs += out * (top * (chosen == j)).sum(-1, keepdim=True)
+    torch.testing.assert_close(theirs, model.layers["0"].feed_forward(x), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_conversion_refuses_shared_experts_and_other_architectures(tmp_path: Path) -> None:
+    shared = JobConfig.model_validate({"model": {"preset": "tiny-moe"}, "train": {"seq_len": 16}})
+    with pytest.raises(
+        UserError, match=re.escape("model.moe.shared_experts=1: Mixtral has no shared experts")
+    ):
+        export_hf(str(tmp_path / "none"), shared, tmp_path / "hf")
+    job = JobConfig.model_validate({"seed": 5, "model": TINY_MOE, "train": {"seq_len": 16}})
+    train_and_save(job, str(tmp_path / "checkpoints"))
+    out = export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf")
+    fewer = JobConfig.model_validate(
+        {"model": {"preset": "tiny-moe", "moe": {"n_experts": 4, "top_k": 2}}, "train": {"seq_len": 16}}
+    )
+    with pytest.raises(UserError, match=re.escape("model.moe.n_experts=4 but num_local_experts=8")):
+        import_hf(out, fewer, str(tmp_path / "imported"))
+    with pytest.raises(UserError, match="model_type 'mixtral' but the spec's model is llama"):
+        import_hf(out, JOB, str(tmp_path / "imported"))
+
+
+def test_bias_balanced_models_import_with_zero_biases_and_refuse_export(tmp_path: Path) -> None:
+    job = JobConfig.model_validate({"seed": 5, "model": TINY_MOE, "train": {"seq_len": 16}})
+    weights = train_and_save(job, str(tmp_path / "checkpoints"))
+    out = export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf", dtype="fp32")
+    biased = JobConfig.model_validate(
+        {"model": {**TINY_MOE, "moe": {**TINY_MOE["moe"], "balance": "bias"}}, "train": {"seq_len": 16}}
+    )
+    step_url = import_hf(out, biased, str(tmp_path / "imported"))
+    _, model = load_model(step_url, biased)
+    state = model.state_dict()
+    assert torch.equal(state["layers.1.feed_forward.experts.w2"], weights["layers.1.feed_forward.experts.w2"])
+    assert torch.equal(state["layers.1.feed_forward.router.expert_bias"], torch.zeros(8))
+    with pytest.raises(UserError, match=re.escape("model.moe.balance='bias'")):
+        export_hf(step_url, biased, tmp_path / "again")

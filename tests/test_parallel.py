@@ -2,7 +2,7 @@
 
 One launch runs all layouts (FSDP, HSDP, TP+SP, PP with each schedule incl. zero-bubble, ZB-V and
 DualPipeV, PP×TP, AC, tied embeddings,
-bf16, CP×FSDP, CP×TP, MoE under FSDP, EP×FSDP, EP×HSDP and EP×TP) and a ring-attention check in the same processes: torchrun start-up (~15 s here) dominates, the layouts take ~2-5 s each.
+bf16, CP×FSDP, CP×TP, MoE under FSDP, EP×FSDP, EP×HSDP, EP×TP, and pure DP on DDP, dense and MoE) and a ring-attention check in the same processes: torchrun start-up (~15 s here) dominates, the layouts take ~2-5 s each.
 8-process layouts (e.g. pp2×dp2×tp2) are left out: 8 ranks on a 2-core CI box are dominated by
 start-up and oversubscription; pp×tp and dp×tp are each covered on 4 ranks.
 """
@@ -20,9 +20,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.dist.parallel_layouts import LAYOUTS, SHARDED_INIT
 from tests.torchrun import run_torchrun
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, ParallelConfig, TrainConfig
 from trainer.model import Transformer, canonical_fqn
 from trainer.parallel import apply_ac, apply_compile, token_loss
+from trainer.parallel.replicate import replicates
+from trainer.plan.layout import Geometry
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = "tests.dist.parallel_layouts"  # its LAYOUTS name each layout checked
@@ -67,6 +69,19 @@ def test_every_layout_matches_the_single_process_reference(curves: dict[str, Any
                 f"{name}: parameters stored {run['stored_copies']:.3f}× across ranks, expected {copies}×"
             )
     assert not mismatches, "\n".join(mismatches)
+
+
+@pytest.mark.dist
+def test_pure_data_parallelism_runs_ddp_and_everything_else_fsdp(curves: dict[str, Any]) -> None:
+    # bf16 stays on FSDP (its mixed-precision policy); ddp4 accumulates 2 micro-batches per sync.
+    wrappers = {name: run["data_parallel"] for name, run in curves["layouts"].items()}
+    assert {name for name, kind in wrappers.items() if kind == "ddp"} == {"ddp4", "moe_ddp4"}, wrappers
+    assert set(wrappers.values()) == {"ddp", "fsdp"}, wrappers
+
+
+@pytest.mark.dist
+def test_ddp_checkpoints_reshard_to_and_from_sharded_layouts(curves: dict[str, Any]) -> None:
+    assert curves["ddp_reshard_error"] == {"ddp4->dp2_tp2": 0.0, "dp2_tp2->ddp4": 0.0}
 
 
 @pytest.mark.dist
@@ -139,3 +154,23 @@ def test_per_block_compile_traces_whole_blocks_and_keeps_names() -> None:
     torch.testing.assert_close(loss, plain_loss)
     torch.testing.assert_close(grads, plain_grads)
     assert set(get_model_state_dict(compiled)) == set(tiny_model().state_dict())
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {},
+        {"dp_replicate": 8},
+        {"dp_replicate": 8, "mixed_precision": "bf16"},
+        {"dp_replicate": 2, "dp_shard": 4},
+        {"dp_replicate": 4, "tp": 2},
+        {"dp_replicate": 4, "cp": 2},
+        {"dp_replicate": 4, "pp": 2},
+        {"dp_shard": 8, "ep": 2},
+    ],
+)
+def test_planner_prices_the_data_parallelism_the_trainer_builds(parallel: dict[str, Any]) -> None:
+    # trainer/plan stays free of torch, so it restates the DDP-or-FSDP choice; the two must agree.
+    cfg = ParallelConfig(**parallel)
+    geo = Geometry(TINY, cfg, TrainConfig(global_batch_size=64, micro_batch_size=1), "cpu")
+    assert geo.replicated == replicates(cfg) == (parallel in ({}, {"dp_replicate": 8}))

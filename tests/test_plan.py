@@ -29,6 +29,7 @@ from trainer.config import (
 )
 from trainer.plan import make_plan, plan_for_job, resolve_checkpoint_interval, search_layouts
 from trainer.plan.checkpointing import daly_interval_seconds, mtbf_seconds
+from trainer.plan.compute import fsdp_copy_bytes
 from trainer.plan.layout import Geometry
 from trainer.plan.memory import estimate_memory, layer_activation_bytes, model_state_bytes
 from trainer.plan.params import count_params
@@ -285,6 +286,26 @@ def test_fsdp_traffic_is_the_ring_formula() -> None:
     # gather, the last reduction and the root unit (embedding, output: 1 B params) show
     assert plan.time_breakdown.exposed_comm_s["dp_shard"] < 0.25 * plan.comm_time_s
     assert 0 < plan.mfu < 1
+
+
+def test_pure_data_parallelism_is_one_fp32_gradient_all_reduce_per_step() -> None:
+    """DDP (fp32, nothing sharded) all-reduces the gradients once per step however many micro-batches it
+    accumulates, and pays no FSDP all-gather, reduce-scatter or copies."""
+    model = ModelConfig(preset="llama3-8b")
+    hardware = HardwareConfig(accelerator="gpu", chip="h100-sxm", nodes=8, chips_per_node=8)
+    psi = count_params(model).total
+    for micro_batch in (8, 1):  # 1 and 8 micro-batches per step
+        train = TrainConfig(seq_len=2048, global_batch_size=512, micro_batch_size=micro_batch)
+        plan = make_plan(model, ParallelConfig(dp_replicate=64), train, hardware, CheckpointConfig())
+        traffic = {p.dim: p.bytes_per_step for p in plan.placement}
+        assert traffic["dp_replicate"] == pytest.approx(2 * 4 * psi * 63 / 64)  # one ring all-reduce
+        assert traffic["dp_shard"] == 0 and plan.comm_bytes_per_step == traffic["dp_replicate"]
+    ddp, fsdp = (
+        Geometry(model, parallel, train, "gpu")
+        for parallel in (ParallelConfig(dp_replicate=64), ParallelConfig(dp_shard=64))
+    )
+    assert ddp.replicated and not fsdp.replicated
+    assert fsdp_copy_bytes(ddp) == 0 < fsdp_copy_bytes(fsdp)
 
 
 def test_checkpoint_interval_young_daly() -> None:

@@ -18,6 +18,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from deployments.run import Run
+from tasks.keys import artifact_key
 from tasks.provision import provision_task
 from tasks.train import Progress, train_task
 from tests.pipeline_specs import tiny_spec
@@ -75,7 +76,7 @@ def test_two_agents_stream_metrics_through_an_s3_run_url_to_the_progress_artifac
     assert [r["step"] for r in remote] == [1, 2, 3, 4, 5, 6] and remote == read_metrics(run.dir.metrics)
     with get_client(sync_client=True) as client:
         (artifact,) = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["s3-telemetry-progress"]))
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[artifact_key(run.run_id, "progress")]))
         )
     assert artifact.data == 100.0
     assert artifact.description.startswith(f"step 6/6 · loss {remote[-1]['loss']:.4f}")

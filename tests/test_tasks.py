@@ -20,6 +20,7 @@ from deployments.run import Run
 from deployments.spec import SPEC_DIR, load_spec
 from tasks.curves import plot_loss_curve
 from tasks.data import prepare_dataset_task
+from tasks.keys import artifact_key
 from tasks.plan import plan_task
 from tasks.provision import provision_task, teardown_task
 from tasks.train import TrainingFailed, retry_on_node_failure
@@ -63,9 +64,9 @@ def test_data_preparation_is_cached_on_its_inputs(tmp_path: Path) -> None:
 def test_plan_publishes_a_table_and_warns_when_oversubscribed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plan = plan_task(Run.open(tiny_spec(tmp_path, "plan-ok")))
-    assert plan.fits
-    table = artifact("plan-ok-plan")
+    run = Run.open(tiny_spec(tmp_path, "plan-ok"))
+    assert plan_task(run).fits
+    table = artifact(artifact_key(run.run_id, "plan"))
     rows = {row["quantity"]: row["planned"] for row in table}
     assert rows["fits in HBM"] == "yes" and rows["checkpoint interval"] == "3 steps"
     assert {"memory per chip", "step time", "MFU", "throughput"} <= set(rows)

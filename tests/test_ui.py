@@ -33,6 +33,7 @@ from prefect.client.schemas.sorting import ArtifactSort
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from deployments.register import REPO_ROOT
+from tasks.keys import artifact_key
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, free_port, server_env, start_process, stop_process, wait_healthy
 
@@ -128,13 +129,14 @@ def form_field(page: Any, label: str) -> Any:
     )
 
 
-def form_size(page: Any) -> tuple[float, int]:
-    """The run form's height in pixels, and how many fields come before the Cluster section."""
+def form_size(page: Any) -> tuple[float, int, int]:
+    """The run form's height in pixels, its fields, and how many of them come before the Cluster section."""
     labels = page.locator(".schema-form-property__label").all_inner_texts()
     height = page.evaluate(
         "(document.querySelector('.schema-form') || document.querySelector('form')).getBoundingClientRect().height"
     )
-    return height, labels.index("Cluster (Optional)") - 1  # the first label is the parameter, spec
+    # The first label is the parameter, spec; the others are its fields and sections.
+    return height, len(labels) - 1, labels.index("Cluster (Optional)") - 1
 
 
 def descriptions(schema: Any) -> list[str]:
@@ -216,8 +218,8 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
         assert form_field(page, "Chip").locator(".p-select-button__value").inner_text() == "cpu"  # a choice
 
         # Shorter to scan: the fields changed on most runs come first, and every description is whole.
-        height, above_cluster = form_size(page)
-        print(f"run form: {height:.0f} px high, {above_cluster} fields above Cluster")
+        height, fields, above_cluster = form_size(page)
+        print(f"run form: {height:.0f} px high, {fields} fields, {above_cluster} of them above Cluster")
         assert above_cluster <= 20
         documented = {" ".join(d.split()) for d in descriptions(deployment.parameter_openapi_schema)}
         rendered = [
@@ -285,7 +287,9 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
         assert validated_by == {v.id for v in tasks["validate"]}
         assert {plan.id, train.id} <= upstream(report)
         loss_curve = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["ui-run-loss-curve"])),
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[artifact_key(run_dir.name, "loss-curve")])
+            ),
             sort=ArtifactSort.CREATED_DESC,
             limit=1,
         )[0]
@@ -298,7 +302,7 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
 
     page.get_by_text("Artifacts", exact=True).click()
     for key in ("plan", "memory", "progress", "eval", "loss-curve", "report"):
-        page.get_by_text(f"ui-run-{key}").first.wait_for()
+        page.get_by_text(artifact_key(run_dir.name, key)).first.wait_for()
     # The task runs' artifact cards: the section under its heading, as one image.
     page.get_by_text("Task runs", exact=True).locator("xpath=..").screenshot(
         path=DOCS / "ui-run-artifacts.png"

@@ -44,9 +44,7 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Seconds = Annotated[float, Field(gt=0, le=7 * 24 * 3600)]
 
 
-OUTPUT_RULE = (
-    "A relative path is taken from the working directory and must stay inside it (no '..' out of it)."
-)
+OUTPUT_RULE = "A relative path must stay inside the working directory."
 
 
 def confined_output(location: str) -> str:
@@ -123,8 +121,11 @@ MOE_PRESETS: dict[str, dict[str, int]] = {
 class MoEConfig(Strict):
     """Mixture-of-experts feed-forward: top-k token-choice routing, dropless (no token is ever dropped).
 
-    Load balancing is DeepSeek-V3's sequence-wise auxiliary loss: computed per sequence and averaged, so
-    any split of a batch over ranks and micro-batches gives the same gradient as the whole batch.
+    Load balancing (``balance``), both from DeepSeek-V3: ``aux_loss``, the sequence-wise auxiliary loss,
+    computed per sequence and averaged, so any split of a batch over ranks and micro-batches gives the
+    same gradient as the whole batch; or ``bias``, auxiliary-loss-free balancing: a per-expert bias on the
+    routing scores (top-k selection only) moved after every step by bias_update_rate toward the experts
+    the global batch under-used, so balancing never pulls on the language-model gradient.
     """
 
     n_experts: int = Field(ge=2, le=4096, description="Routed experts per MoE layer.")
@@ -138,8 +139,24 @@ class MoEConfig(Strict):
     expert_ffn_dim: PositiveInt | None = Field(
         None, description="SwiGLU hidden size of one expert (default: model.ffn_dim)."
     )
-    aux_loss_coef: float = Field(
-        0.01, ge=0, le=1, description="Weight of the load-balancing loss (0 turns balancing off)."
+    balance: Literal["aux_loss", "bias"] = Field(
+        "aux_loss",
+        description="Load balancing: 'aux_loss' (sequence-wise balance loss) or 'bias' (DeepSeek-V3's "
+        "auxiliary-loss-free per-expert routing bias, updated after each step from the global batch).",
+    )
+    aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Weight of the sequence-wise balance loss; 0 turns it off (default: 0.01 with "
+        "balance 'aux_loss', 0 with 'bias', which DeepSeek-V3 pairs with a tiny one, 1e-4).",
+    )
+    bias_update_rate: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="balance 'bias' only: how far each step moves an expert's bias, up if the global "
+        "batch gave it fewer tokens than the mean, down if more (default 0.001, DeepSeek-V3's).",
     )
 
     @model_validator(mode="after")
@@ -148,6 +165,16 @@ class MoEConfig(Strict):
             raise ValueError(
                 f"model.moe.top_k={self.top_k} exceeds model.moe.n_experts={self.n_experts}; lower top_k"
             )
+        if self.balance == "aux_loss" and self.bias_update_rate is not None:
+            raise ValueError(
+                "model.moe.bias_update_rate only applies with model.moe.balance='bias'; set balance: bias "
+                "or remove bias_update_rate"
+            )
+        # object.__setattr__ skips re-validation recursion from validate_assignment.
+        if self.aux_loss_coef is None:
+            object.__setattr__(self, "aux_loss_coef", 0.01 if self.balance == "aux_loss" else 0.0)
+        if self.balance == "bias" and self.bias_update_rate is None:
+            object.__setattr__(self, "bias_update_rate", 0.001)
         return self
 
 
@@ -218,14 +245,14 @@ class ParallelConfig(Strict):
     )
     cp: PositiveInt = Field(
         1,
-        description="Context-parallel degree: each sequence is split over cp ranks (ring attention, "
-        "load-balanced for the causal mask); train.seq_len must be divisible by 2·cp.",
+        description="Context-parallel degree: each sequence is split over cp ranks (ring attention); "
+        "train.seq_len must be divisible by 2·cp.",
     )
     pp: PositiveInt = Field(1, description="Pipeline-parallel stages.")
     pp_schedule: PipelineSchedule = Field(
         "1f1b",
-        description="Pipeline schedule when pp > 1: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble "
-        "(ZB1P), zbv_zero_bubble (ZB-V) or dualpipev (DeepSeek); the last two need pp_virtual_stages=2.",
+        description="Pipeline schedule when pp > 1; zbv_zero_bubble (ZB-V) and dualpipev (DeepSeek) need "
+        "pp_virtual_stages=2.",
     )
     pp_virtual_stages: PositiveInt = Field(
         1,
@@ -241,20 +268,18 @@ class ParallelConfig(Strict):
     compile: bool = Field(False, description="torch.compile each transformer block.")
     reshard_after_forward: bool = Field(
         True,
-        description="FSDP2: free gathered parameters after forward and gather again in backward "
-        "(ZeRO-3). False keeps them unsharded until backward (ZeRO-2-like, as Llama 3 trained): "
-        "one all-gather fewer per step for one unsharded model copy of memory. Pipelines always keep them.",
+        description="FSDP2: free gathered parameters after forward (ZeRO-3); false keeps them until backward "
+        "(ZeRO-2-like): fewer all-gathers, more memory.",
     )
     float8: Float8Recipe = Field(
         "none",
-        description="fp8 matmuls in the transformer blocks (torchao.float8) on chips with fp8: tensorwise "
-        "(one dynamic scale per tensor, fastest) or rowwise (one per row, robust to outliers). Needs "
-        "mixed_precision=bf16 and tp=1; weights stay bf16/fp32 and are cast per matmul.",
+        description="fp8 matmuls (torchao.float8) on chips with fp8: tensorwise (fastest) or rowwise (robust "
+        "to outliers); needs bf16 and tp=1.",
     )
     ep: PositiveInt = Field(
         1,
         description="Expert-parallel degree: each MoE layer's experts are split over ep ranks carved out of "
-        "dp_shard (not an extra mesh dim), and tokens travel to their experts by all-to-all.",
+        "dp_shard (all-to-all).",
     )
 
     @property
@@ -275,8 +300,8 @@ class TrainConfig(Strict):
     )
     micro_batch_size: PositiveInt = Field(
         4,
-        description="Sequences per forward pass on one data-parallel rank. global / (dp × micro) "
-        "micro-batches are accumulated per step (the pipeline's micro-batches when pp > 1).",
+        description="Sequences per forward pass on one data-parallel rank; global / (dp × micro) are "
+        "accumulated per step.",
     )
     seq_len: PositiveInt = Field(128, description="Tokens per sample.")
     log_every: PositiveInt = Field(1, description="Write a metrics line every N steps.")
@@ -305,8 +330,7 @@ class CheckpointConfig(Strict):
 
     url: OutputLocation | None = Field(
         None,
-        description="Where checkpoints go: a local path, gs://bucket/path or s3://bucket/path. "
-        "Default: the run directory's checkpoints/. " + OUTPUT_RULE,
+        description="Local path, gs:// or s3://; default: the run directory's checkpoints/. " + OUTPUT_RULE,
     )
     interval: PositiveInt | Literal["auto"] = Field(
         "auto",
@@ -326,9 +350,8 @@ class CheckpointConfig(Strict):
     )
     memory_interval: PositiveInt | Literal["auto", "off"] = Field(
         "off",
-        description="In-memory tier: steps between snapshots of every rank's state into host memory, each "
-        "copied to a peer on the next node; a restart restores from them before storage. 'auto': the "
-        "planner's Young/Daly optimum; 'off': storage only.",
+        description="In-memory tier: steps between host-memory snapshots, each copied to a peer node; "
+        "'auto': the planner's optimum; 'off': storage only.",
     )
     memory_dir: str = Field(
         "/dev/shm",
@@ -359,6 +382,18 @@ class FaultsConfig(Strict):
     )
     collective_timeout_s: Seconds = Field(
         600.0, description="Process-group timeout, so a lost peer fails fast instead of after 30 min."
+    )
+    min_nodes: PositiveInt | None = Field(
+        None,
+        description="Elastic: a lost node not replaced within replacement_wait_s leaves the job on the nodes "
+        "left, down to this many, until it returns; dp_replicate (if > 1) or dp_shard flexes and the global "
+        "batch stays. Empty: not elastic.",
+    )
+    replacement_wait_s: int = Field(
+        60,
+        ge=3,
+        le=3600,
+        description="Elastic: seconds to notice a lost node, and as long again to wait for a replacement.",
     )
 
 
@@ -465,8 +500,8 @@ class DataConfig(CorpusConfig):
     )
     tokenizer: str | None = Field(
         None,
-        description="Existing tokenizer.json to use; default: train a byte-level BPE to model.vocab_size "
-        "on a deterministic sample (the first tokenizer_sample_mb of each source).",
+        description="Existing tokenizer.json; default: train a byte-level BPE to model.vocab_size on "
+        "tokenizer_sample_mb of each source.",
     )
     tokenizer_sample_mb: float = Field(
         64,
@@ -682,7 +717,7 @@ def _divisors(n: int) -> list[int]:
 class JobConfig(Strict):
     """Everything ``python -m trainer.train`` needs, and nothing it must not know (no Prefect, no k8s)."""
 
-    name: str = Field("tessera", description="The spec's name (artifact keys, logs).")
+    name: str = Field("tessera", description="The spec's name (the prefix of its runs' ids; logs).")
     run_id: str | None = Field(
         None, description="The run's identity (its directory's name); None for a job run outside a Run."
     )

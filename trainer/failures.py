@@ -77,7 +77,8 @@ def is_infra_error(error: BaseException) -> bool:
 
     A rank that catches it exits :data:`EXIT_INFRA` so the attempt is retried: a 503 or a reset
     connection from the checkpoint store mid-save, a peer's closed gloo connection, a killed
-    data-loader worker. A missing file, a denied permission or a bad URL stay user errors.
+    data-loader worker, a rendezvous store that timed out (its message names no cause, only its
+    class does). A missing file, a denied permission or a bad URL stay user errors.
     """
     from trainer.storage import is_transient  # here: most importers of this module never touch a store
 
@@ -85,7 +86,7 @@ def is_infra_error(error: BaseException) -> bool:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if is_transient(current) or _MARKERS.search(str(current)):
+        if is_transient(current) or _MARKERS.search(f"{type(current).__name__}: {current}"):
             return True
         current = current.__cause__ or current.__context__
     return False

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from torch.distributed import TCPStore
+
 from trainer.agents import is_stopped, kill_agent, start_agent, stop_agent
 from trainer.backends import get_backend
 from trainer.config import JobConfig
@@ -39,10 +41,15 @@ def torchrun_command(
     max_restarts: int = 0,
     run_id: str = "tessera",
     entry: Sequence[str] | None = None,
+    min_nodes: int | None = None,
+    replacement_wait_s: int = 60,
 ) -> list[str]:
     """argv for one torchrun agent; ``rdzv_endpoint`` (host:port) is required when ``nnodes > 1``.
 
     ``entry`` replaces what the workers run (default: ``-m trainer.train --spec JOB --run-dir DIR``).
+    ``min_nodes`` makes the job elastic (``--nnodes=MIN:MAX``): a lost node is noticed after three missed
+    heartbeats (``replacement_wait_s`` in all), then the survivors wait ``replacement_wait_s`` for a
+    replacement (torch's ``last_call_timeout``) before continuing without it.
     """
     cmd = [
         sys.executable,
@@ -58,12 +65,15 @@ def torchrun_command(
             raise UserError(f"nnodes={nnodes} needs rdzv_endpoint=host:port of the rendezvous (node 0)")
         # c10d assigns node ranks itself; node_rank only orders agents that share one host name.
         cmd += [
-            f"--nnodes={nnodes}",
+            f"--nnodes={nnodes}" if min_nodes is None else f"--nnodes={min_nodes}:{nnodes}",
             f"--node-rank={node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={rdzv_endpoint}",
             f"--rdzv-id={run_id}",
         ]
+        if min_nodes is not None:
+            heartbeat = max(1, replacement_wait_s // 3)
+            cmd.append(f"--rdzv-conf=last_call_timeout={replacement_wait_s},keep_alive_interval={heartbeat}")
     if entry is None:
         entry = ["-m", "trainer.train", "--spec", str(job_json), "--run-dir", str(run_dir)]
     return [*cmd, *entry]
@@ -75,6 +85,12 @@ def launch_env(job: JobConfig, base: dict[str, str] | None = None) -> dict[str, 
     env = dict(os.environ if base is None else base)
     env.update(get_backend(job.hardware.accelerator).launch_env(job.hardware.chips_per_node))
     env["PYTHONUNBUFFERED"] = "1"
+    if job.faults.min_nodes is not None:
+        # torch caches the workers' bootstrap store address from the first rendezvous on every node but
+        # rank 0 (elastic/rendezvous/dynamic_rendezvous.py, next_rendezvous); once the node ranks change
+        # (a node lost, another back) that address can be stale. Unshared, node 0's agent publishes a
+        # fresh address every round.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
@@ -128,6 +144,7 @@ def run_agents(
     echo: Callable[[str], object] | None = None,
     poll: Callable[[], None] = lambda: None,
     stopped_after_s: float = 300.0,
+    elastic: bool = False,
 ) -> LaunchResult:
     """Run one torchrun agent per command on this host and wait for them; never raises on failure.
 
@@ -136,36 +153,49 @@ def run_agents(
     once a second (the progress artifact). The first agent to fail decides the outcome and the others
     are stopped at once, since they would otherwise wait out the collective timeout. An agent held
     stopped (SIGSTOP) for ``stopped_after_s`` is a hang: it is killed, which reads as a node failure.
+
+    ``elastic`` (commands with ``--nnodes=MIN:MAX``): a failed agent is a lost node, and the others
+    carry on without it; the run succeeds when an agent completes, and fails only when all have
+    failed. Every agent's output goes to ``echo``, since any of them may be the one left. The
+    rendezvous store is hosted here, not in an agent, so that any agent may die and a returning one
+    (started by whoever restores the capacity) finds it.
     """
     agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]] = []
     failed = None
+    lost: set[int] = set()
     stopped_since: dict[int, float] = {}
+    store = _host_rendezvous_store(commands) if elastic else None
     try:
         for node, command in enumerate(commands):
             proc = start_agent(command, env, run_dir)
             tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
             reader = threading.Thread(
-                target=_drain, args=(proc.stdout, tail, echo if node == 0 else None), daemon=True
+                target=_drain, args=(proc.stdout, tail, echo if node == 0 or elastic else None), daemon=True
             )
             reader.start()
             agents.append((proc, tail, reader))
         while failed is None and any(proc.poll() is None for proc, _, _ in agents):
-            failed = next((agent for agent in agents if agent[0].poll()), None)
+            failed = None if elastic else next((agent for agent in agents if agent[0].poll()), None)
             for proc, tail, _ in agents:
+                if elastic and proc.poll() and proc.pid not in lost:
+                    lost.add(proc.pid)
+                    _note(
+                        f"agent {proc.pid} exited with {proc.returncode}: the others continue without it",
+                        tail,
+                        echo,
+                    )
                 if _held_stopped(proc.pid, stopped_since, stopped_after_s):
-                    note = f"tessera: agent {proc.pid} was stopped for {stopped_after_s:.0f} s; killed it\n"
-                    tail.append(note)
-                    if echo is not None:
-                        echo(note)
+                    _note(f"agent {proc.pid} was stopped for {stopped_after_s:.0f} s; killed it", tail, echo)
                     kill_agent(proc.pid)
             poll()
             time.sleep(POLL_S)
-        failed = failed or next((agent for agent in agents if agent[0].poll()), None)
+        failed = failed or _outcome(agents, elastic)
         poll()
     finally:
         for proc, _, reader in agents:
             stop_agent(proc)
             reader.join(timeout=5)
+        del store
     if failed is None:
         return LaunchResult(0, 0, "ok", "")
     proc, tail, _ = failed
@@ -176,6 +206,38 @@ def run_agents(
         classify_exit(proc.returncode, log_tail),
         log_tail,
     )
+
+
+def _outcome(
+    agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]], elastic: bool
+) -> tuple[subprocess.Popen[str], deque[str], threading.Thread] | None:
+    """The failed agent that decides a finished run, or None when it succeeded: any failure, or for
+    an elastic run only when no agent completed."""
+    if elastic and any(proc.returncode == 0 for proc, _, _ in agents):
+        return None
+    return next((agent for agent in agents if agent[0].poll()), None)
+
+
+def _note(message: str, tail: deque[str], echo: Callable[[str], object] | None) -> None:
+    """A launcher line in an agent's log tail and the run's output."""
+    line = f"tessera: {message}\n"
+    tail.append(line)
+    if echo is not None:
+        echo(line)
+
+
+def _host_rendezvous_store(commands: list[list[str]]) -> TCPStore | None:
+    """Host the c10d rendezvous store at the agents' ``--rdzv-endpoint`` for as long as the launcher runs.
+
+    torch's c10d rendezvous otherwise serves it from whichever agent bound the port first, and it dies
+    with that agent. Agents then find the port taken and connect as clients (c10d_rendezvous_backend.py,
+    ``_create_tcp_store``). None for one standalone agent, which has no rendezvous to keep.
+    """
+    endpoint = next((arg.split("=", 1)[1] for arg in commands[0] if arg.startswith("--rdzv-endpoint=")), None)
+    if endpoint is None:
+        return None
+    host, port = endpoint.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=True, wait_for_workers=False)
 
 
 def _held_stopped(pid: int, since: dict[int, float], limit_s: float) -> bool:

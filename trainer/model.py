@@ -155,6 +155,10 @@ class Transformer(nn.Module):
         self.rope.copy_(
             rope_table(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
         )
+        # Every other buffer is running state that starts at zero (an MoE router's balancing bias and load).
+        for name, buffer in self.named_buffers():
+            if name != "rope":
+                buffer.zero_()
         for fqn, param in self.named_parameters():
             name = canonical_fqn(fqn)
             std = self._init_std(name)

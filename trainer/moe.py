@@ -4,11 +4,22 @@ Top-k token choice (Mixtral): each token goes to the k experts with the highest 
 mixes their outputs with those probabilities renormalized over the k. Dropless: every expert processes
 every token routed to it (no capacity factor), so the result does not depend on how a batch is split.
 
-Load balancing is DeepSeek-V3's sequence-wise auxiliary loss, coef · Σ_e f_e · P_e per sequence, averaged
-over sequences (f_e: the fraction of the sequence's routing slots that chose e, times n_experts; P_e: its
-mean router probability). Being a mean over sequences, it splits over data-parallel ranks and micro-batches
-exactly like the token loss. It is added in backward only (Megatron's "aux loss auto-scaler"), so the
-model still returns logits and the reported loss stays the language-model loss.
+Load balancing, both DeepSeek-V3's (``model.moe.balance``):
+
+- ``aux_loss``: the sequence-wise auxiliary loss, coef · Σ_e f_e · P_e per sequence, averaged over
+  sequences (f_e: the fraction of the sequence's routing slots that chose e, times n_experts; P_e: its
+  mean router probability). Being a mean over sequences, it splits over data-parallel ranks and
+  micro-batches exactly like the token loss. It is added in backward only (Megatron's "aux loss
+  auto-scaler"), so the model still returns logits and the reported loss stays the language-model loss.
+- ``bias`` (auxiliary-loss-free, §2.1.2): a per-expert bias b is added to the router probabilities to
+  pick the top k; the mixing weights still come from the unbiased probabilities, so b steers tokens but
+  never scales an output or takes a gradient. After each optimizer step, b_e += γ · sign(mean load −
+  load_e), load_e being the routing slots that chose e over the whole global batch (all micro-batches,
+  summed over the data-parallel ranks), so every layout makes the same update. b is a persistent buffer:
+  checkpointed with the weights, a resumed run routes exactly as the uninterrupted one.
+
+Loads are counted in backward, once per micro-batch: activation checkpointing's recomputed forwards and
+no-grad forwards (evaluation) have no backward, so they count nothing.
 
 Architecture only: expert parallelism (``trainer.parallel.expert``) intercepts :class:`GroupedExperts`'
 forward to send tokens to the rank holding their expert and back.
@@ -17,7 +28,7 @@ forward to send tokens to the rank holding their expert and back.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,17 +52,30 @@ def auxiliary_loss_scale(scale: float) -> Iterator[None]:
         _aux_loss_scale.pop()
 
 
-class _AddAuxLossInBackward(torch.autograd.Function):
-    """Identity on out; in backward also sends gradient `scale` into aux (as if it were added to the loss)."""
+class _BalanceInBackward(torch.autograd.Function):
+    """Identity on out. In backward: gradient `scale` into aux (as if it were added to the loss), and the
+    micro-batch's routing counts into the router's step load (see the module docstring for why there)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, aux: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        out: Tensor,
+        aux: Tensor,
+        scale: float,
+        counts: Tensor,
+        router: Router,
+    ) -> Tensor:
+        # Attributes, not saved tensors: activation checkpointing keeps them as they are.
+        ctx.scale, ctx.counts, ctx.router = scale, counts, router
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        return grad, torch.full((), ctx.scale, device=grad.device), None
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+    ) -> tuple[Tensor, Tensor, None, None, None]:
+        if ctx.router.expert_load is not None:
+            ctx.router.expert_load += ctx.counts
+        return grad, torch.full((), ctx.scale, device=grad.device), None, None, None
 
 
 def _local(weight: Tensor) -> Tensor:
@@ -85,18 +109,31 @@ class GroupedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """Token-choice top-k gate with the sequence-wise balance loss (see the module docstring)."""
+    """Token-choice top-k gate with its load balancing (see the module docstring)."""
+
+    expert_bias: Tensor | None
+    expert_load: Tensor | None
 
     def __init__(self, dim: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
         self.top_k = cfg.top_k
         self.aux_loss_coef = cfg.aux_loss_coef
+        self.bias_update_rate = cfg.bias_update_rate
+        biased = cfg.balance == "bias"  # otherwise no buffers: checkpoints keep only the weights
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts) if biased else None)
+        # This step's routing slots per expert; always zero between steps, so never checkpointed.
+        load = torch.zeros(cfg.n_experts, dtype=torch.long) if biased else None
+        self.register_buffer("expert_load", load, persistent=False)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, d] -> (weights [B·T, k], experts [B·T, k], auxiliary loss []); routing in fp32."""
         probs = self.gate(x).float().softmax(dim=-1)
-        top_probs, experts = probs.topk(self.top_k, dim=-1)
+        if self.expert_bias is None:
+            top_probs, experts = probs.topk(self.top_k, dim=-1)
+        else:  # the bias picks the experts; their weights are still the unbiased probabilities
+            experts = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices
+            top_probs = probs.gather(-1, experts)
         weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
         n_experts = probs.shape[-1]
         with torch.no_grad():
@@ -104,6 +141,16 @@ class Router(nn.Module):
             load = chosen.mean(dim=1) * n_experts / self.top_k  # [B, E]; 1 everywhere when balanced
         aux = self.aux_loss_coef * (load * probs.mean(dim=1)).sum(dim=-1).mean()
         return weights.flatten(0, 1), experts.flatten(0, 1), aux
+
+    @torch.no_grad()
+    def after_optimizer_step(self, sum_over_data_ranks: Callable[[Tensor], None]) -> None:
+        """b_e += γ · sign(mean load − load_e) from the step's global loads (a no-op without a bias)."""
+        if self.expert_bias is None or self.expert_load is None:
+            return
+        sum_over_data_ranks(self.expert_load)
+        load = self.expert_load.double()
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+        self.expert_load.zero_()
 
 
 class MoE(nn.Module):
@@ -127,4 +174,5 @@ class MoE(nn.Module):
         out = torch.zeros_like(tokens).index_add_(0, source, routed)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        return _AddAuxLossInBackward.apply(out.view(batch, seq, dim), aux, _aux_loss_scale[-1])
+        scale = _aux_loss_scale[-1]
+        return _BalanceInBackward.apply(out.view(batch, seq, dim), aux, scale, counts, self.router)

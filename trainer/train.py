@@ -36,9 +36,11 @@ from trainer.backends import get_backend, get_chip
 from trainer.backends.base import local_rank
 from trainer.checkpoint import CheckpointError, CheckpointManager, ModelOptimizerState, RNGState
 from trainer.checkpoint.memory import HostMemoryTier, memory_directory
+from trainer.checkpoint.resize import discard_other_sizes, memory_tier_current
 from trainer.config import JobConfig
 from trainer.data import StepLoader, build_loader
 from trainer.data.errors import DataError
+from trainer.elastic import describe_resize, fit_to_world
 from trainer.failures import (
     EXIT_INFRA,
     EXIT_OK,
@@ -58,6 +60,7 @@ from trainer.parallel import ParallelModel, build_parallel_model
 from trainer.plan import plan_for_job
 from trainer.preemption import Preempted, PreemptionWatch
 from trainer.rundir import RunDir
+from trainer.step_hooks import after_optimizer_step
 from trainer.telemetry import gather_host_times, peak_memory_bytes, straggler_fields
 from trainer.watchdog import StepWatchdog
 
@@ -95,6 +98,9 @@ def open_session(job: JobConfig) -> Session:
     backend.require()
     backend.init_process_group(job.faults.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
+    spec_job, job = job, fit_to_world(job, world)
+    if job is not spec_job and rank == 0:
+        log.warning("ELASTIC: %s", describe_resize(spec_job, job))
     device = backend.device(local_rank())
     torch.manual_seed(job.seed)
     model = build_parallel_model(job, device)
@@ -138,7 +144,8 @@ def restore(session: Session) -> tuple[int, str]:
     """Own host memory → a peer's host memory → storage: the newest step every rank can restore, from
     the fastest tier that has it. Returns the step (0: a fresh start) and where it came from."""
     from_memory = None
-    if session.memory is not None:  # only if at least as new as storage's newest
+    # Only if at least as new as storage's newest, and in its layout (an elastic resize changes it).
+    if session.memory is not None and memory_tier_current(session.ckpt, session.job):
         from_memory = session.memory.restore(session.state, not_older_than=session.ckpt.newest_step())
     if from_memory is not None:
         session.ckpt.remove_partials()
@@ -177,6 +184,7 @@ def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
     dist.barrier()  # rank 0 commits asynchronously: after this, every rank sees the final checkpoint
     if session.memory is not None:
         session.memory.discard()  # the final checkpoint is stored: free the host memory
+        discard_other_sizes(job, session.job)  # and that of an elastic run's other node counts
     final = session.ckpt.latest()
     result = TrainResult(job.train.steps, loss, start or None, final.url if final else None)
     if session.rank == 0:
@@ -222,6 +230,7 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            after_optimizer_step(model.parts, model.mesh)  # per-step module state, e.g. MoE routing bias
             clock.lap("optimizer")
             if logged:
                 metrics.write(
@@ -272,6 +281,7 @@ class StepTelemetry:
         self.seq_len = job.train.seq_len
         self.flops_per_step = plan_for_job(job).flops_per_step
         self.peak_flops = job.parallel.world_size * get_chip(job.hardware.chip).peak_bf16_flops
+        self.world_size = job.parallel.world_size  # an elastic job's shrinks show in its metrics
 
     def host_times(self, began: float) -> list[float]:
         """Every rank's time before its first collective this step (a collective: all ranks call it)."""
@@ -283,6 +293,7 @@ class StepTelemetry:
         return {
             "step": step,
             "time": time.time(),  # wall clock: lines up a run's metrics with its logs
+            "world_size": self.world_size,
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,

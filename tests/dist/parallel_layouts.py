@@ -2,10 +2,11 @@
 
 Run by tests/test_parallel.py. Each layout is built with ``build_parallel_model`` in the same processes
 (one launch for all of them), trains STEPS AdamW steps on identical global batches, and rank 0 writes
-{"reference": {"untied"|"tied": curves}, "layouts": {name: curves + "stored_copies" + its config}}
-to argv[1], plus "ring_attention_error" and "cp_reshard_error" (tests/dist/cp_checks.py). stored_copies is how many times the parameters are held across all ranks (1 when fully
-sharded, dp_replicate under HSDP). Every layout must also expose exactly the reference model's
-state-dict FQNs (checkpoints reshard across layouts by name).
+{"reference": {"untied"|"tied": curves}, "layouts": {name: curves + "stored_copies" + "data_parallel" +
+its config}} to argv[1], plus "ring_attention_error" and the "*_reshard_error"s (tests/dist/cp_checks.py).
+stored_copies is how many times the parameters are held across all ranks (1 when fully sharded,
+dp_replicate under HSDP or DDP); data_parallel names the wrapper ("ddp" or "fsdp"). Every layout must
+also expose exactly the reference model's state-dict FQNs (checkpoints reshard across layouts by name).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._composable.replicate import DDP
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tests.dist.cp_checks import reshard_max_error, ring_attention_max_error
@@ -26,6 +29,7 @@ from trainer.config import JobConfig
 from trainer.model import Transformer, param_count
 from trainer.moe import MoE
 from trainer.parallel import ParallelModel, build_parallel_model, token_loss
+from trainer.step_hooks import after_optimizer_step
 
 WORLD = 4
 STEPS, SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH = 3, 16, 8, 2
@@ -39,8 +43,14 @@ TIED = {**MODEL, "tie_embeddings": True}
 # auxiliary loss visibly shapes the gradients.
 MOE = {
     **MODEL,
-    "moe": dict(n_experts=4, top_k=2, shared_experts=1, every_n_layers=2, expert_ffn_dim=64, aux_loss_coef=0.1),
+    "moe": dict(
+        n_experts=4, top_k=2, shared_experts=1, every_n_layers=2, expert_ffn_dim=64, aux_loss_coef=0.1
+    ),
 }
+# DeepSeek-V3's bias balancing on top of the auxiliary loss, with a large rate so the biases steer routing
+# within the run; its biases must move identically on every layout (loads summed over every data rank).
+MOE_BIAS = {**MODEL, "moe": {**MOE["moe"], "balance": "bias", "bias_update_rate": 0.05}}
+BIAS_STEPS = 5  # the bias first acts on step 2: more steps for a missing all-reduce to show in the loss
 
 # name -> (model dims, parallel section). Every layout uses all 4 processes.
 SHARDED_INIT = "ddp2_tp2_sharded_init"  # run after LAYOUTS: built on meta, only local shards initialized
@@ -72,20 +82,29 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "moe_hsdp2x2_ep2": (MOE, dict(dp_replicate=2, dp_shard=2, ep=2)),  # experts replicated, not sharded
     # dp 2 → 2 micro-batches per rank: checks the auxiliary loss is weighed like each micro-batch's loss.
     "moe_ep2_tp2": (MOE, dict(dp_shard=2, tp=2, ep=2)),
+    "moe_bias_ep2_fsdp2": (MOE_BIAS, dict(dp_shard=4, ep=2)),
+    "moe_bias_ep2_tp2": (MOE_BIAS, dict(dp_shard=2, tp=2, ep=2)),  # tp ranks see the same tokens
+    # Pure data parallelism: DDP (trainer/parallel/replicate.py), with 2 micro-batches (see MICRO_BATCHES)
+    # so its gradients are reduced once, after accumulating both. In bf16 it stays on FSDP.
+    "ddp4": (MODEL, dict(dp_replicate=4)),
+    "ddp4_bf16": (MODEL, dict(dp_replicate=4, mixed_precision="bf16")),
+    "moe_ddp4": (MOE, dict(dp_replicate=4)),
 }
+# Sequences per micro-batch where MICRO_BATCH would leave a layout a single micro-batch per step.
+MICRO_BATCHES = {"ddp4": 1, "moe_ddp4": 1}
 
 
-def job_for(model: dict[str, Any], parallel: dict[str, Any]) -> JobConfig:
+def job_for(model: dict[str, Any], parallel: dict[str, Any], micro_batch: int = MICRO_BATCH) -> JobConfig:
     return JobConfig.model_validate(
         {
             "seed": 7,
             "model": model,
             "parallel": parallel,
             "train": {
-                "steps": STEPS,
+                "steps": BIAS_STEPS if model is MOE_BIAS else STEPS,
                 "seq_len": SEQ_LEN,
                 "global_batch_size": GLOBAL_BATCH,
-                "micro_batch_size": MICRO_BATCH,
+                "micro_batch_size": micro_batch,
             },
             "hardware": {"chips_per_node": WORLD},
         }
@@ -105,13 +124,14 @@ def train_reference(job: JobConfig) -> dict[str, list[float]]:
     model.init_weights(job.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     curves: dict[str, list[float]] = {"loss": [], "grad_norm": []}
-    for step in range(STEPS):
+    for step in range(job.train.steps):
         inputs, targets = global_batch(step, job.model.vocab_size)
         loss = token_loss(model(inputs), targets)
         loss.backward()
         curves["grad_norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         curves["loss"].append(loss.item())
         optimizer.step()
+        after_optimizer_step([model])
         optimizer.zero_grad()
     return curves
 
@@ -122,19 +142,37 @@ def train_layout(job: JobConfig, init_whole: bool) -> dict[str, Any]:
         check_replicas_agree(pm)
     optimizer = torch.optim.AdamW([p for part in pm.parts for p in part.parameters()], lr=LR)
     rows = GLOBAL_BATCH // pm.dp_size
-    n_microbatches = rows // MICRO_BATCH
+    n_microbatches = rows // job.train.micro_batch_size
     curves: dict[str, list[float]] = {"loss": [], "grad_norm": []}
-    for step in range(STEPS):
+    for step in range(job.train.steps):
         inputs, targets = global_batch(step, job.model.vocab_size)
         local = slice(pm.dp_rank * rows, (pm.dp_rank + 1) * rows)
         loss = pm.forward_backward(inputs[local], targets[local], n_microbatches)
         curves["grad_norm"].append(pm.clip_grad_norm_(MAX_NORM).item())
         curves["loss"].append(loss.item())
         optimizer.step()
+        after_optimizer_step(pm.parts, pm.mesh)
         optimizer.zero_grad()
     check_fqns(pm, job)
     curves["stored_copies"] = stored_copies(pm, job)
+    curves["data_parallel"] = data_parallel(pm)
     return curves
+
+
+def reference_name(job: JobConfig) -> str:
+    """Which single-process reference curve a layout must reproduce."""
+    if job.model.moe:
+        return "moe_bias" if job.model.moe.balance == "bias" else "moe"
+    return "tied" if job.model.tie_embeddings else "untied"
+
+
+def data_parallel(pm: ParallelModel) -> str:
+    """Which wrapper holds the parameters: "ddp" (composable replicate) or "fsdp" (fully_shard)."""
+    (kind,) = {
+        "ddp" if isinstance(part, DDP) else "fsdp" if isinstance(part, FSDPModule) else "none"
+        for part in pm.parts
+    }
+    return kind
 
 
 def check_replicas_agree(pm: ParallelModel) -> None:
@@ -196,6 +234,15 @@ def main(out_path: str) -> None:
         )
         for saved, loaded in (("cp2_tp2_full_ac", "fsdp4"), ("fsdp4", "cp2_fsdp2"))
     }
+    # DDP's plain tensors load into FSDP×TP's DTensors, and back.
+    results["ddp_reshard_error"] = {
+        f"{saved}->{loaded}": reshard_max_error(
+            job_for(MODEL, LAYOUTS[saved][1]),
+            job_for(MODEL, LAYOUTS[loaded][1]),
+            Path(out_path).parent / saved,
+        )
+        for saved, loaded in (("ddp4", "dp2_tp2"), ("dp2_tp2", "ddp4"))
+    }
     # Experts split over ep ranks load into plain FSDP, and back into EP×TP.
     results["moe_reshard_error"] = {
         f"{saved}->{loaded}": reshard_max_error(
@@ -208,19 +255,20 @@ def main(out_path: str) -> None:
             "untied": train_reference(job_for(MODEL, {"dp_shard": WORLD})),
             "tied": train_reference(job_for(TIED, {"dp_shard": WORLD})),
             "moe": train_reference(job_for(MOE, {"dp_shard": WORLD})),
+            "moe_bias": train_reference(job_for(MOE_BIAS, {"dp_shard": WORLD})),
         }
     runs = [(name, model, parallel, True) for name, (model, parallel) in LAYOUTS.items()]
     # The large-model path: built on meta, parallelized, then only local shards are initialized.
     runs.append((SHARDED_INIT, MODEL, dict(dp_replicate=2, tp=2), False))
     for name, model, parallel, init_whole in runs:
-        job = job_for(model, parallel)
+        job = job_for(model, parallel, MICRO_BATCHES.get(name, MICRO_BATCH))
         start = time.perf_counter()
         run: dict[str, Any] = train_layout(job, init_whole)
         run.update(
             seconds=time.perf_counter() - start,
             parallel=job.parallel.model_dump(),
             tied=job.model.tie_embeddings,
-            reference="moe" if job.model.moe else "tied" if job.model.tie_embeddings else "untied",
+            reference=reference_name(job),
             moe_fraction=moe_fraction(job),
             init="whole" if init_whole else "sharded",
         )

@@ -46,13 +46,16 @@ class Backend(ABC):
 
         torchrun keeps one store across ``--max-restarts`` restarts, so a restarted rank could read a
         dead peer's address from the previous attempt (gloo: "connectFullMesh failed ... Connection
-        refused"); keys are therefore prefixed with the attempt number.
+        refused"); keys are therefore prefixed with the attempt number. Not in an elastic job: there
+        rank 0 hosts a fresh store every round (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, see
+        trainer.launch), and each agent counts its own restarts (a returning node starts at 0).
         """
         if dist.is_initialized():
             return
         timeout = timedelta(seconds=timeout_s)
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "False":
+            store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(
             backend=self.dist_backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )

@@ -7,9 +7,8 @@ holds the embedding, final norm and output projection.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer.config import Precision
 from trainer.model import Transformer
@@ -34,14 +33,3 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
-
-
-def defer_gradient_reduction(model: nn.Module, defer: bool, shards: int) -> None:
-    """With one shard per replica (DDP-like replication), reduce gradients once per step, not per micro-batch.
-
-    As DDP's ``no_sync``: the local gradients are whole either way, so waiting for the last micro-batch
-    costs no memory. Sharded models keep reducing per micro-batch: holding whole gradients for the
-    step would undo the sharding.
-    """
-    if shards == 1 and isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(not defer)

@@ -24,7 +24,8 @@ def build_mesh(cfg: ParallelConfig, device_type: str) -> DeviceMesh:
     if cfg.world_size != world:  # the spec checked its own degrees; a hand-typed torchrun may disagree
         raise UserError(
             f"torchrun started {world} processes but the spec's parallel degrees (dp_replicate×dp_shard×cp×tp×pp) "
-            f"give world size {cfg.world_size}; launch with --nproc-per-node {cfg.world_size} or change the spec"
+            f"give world size {cfg.world_size}; launch with --nproc-per-node {cfg.world_size}, change the spec, "
+            "or set faults.min_nodes for a job that may run on fewer nodes"
         )
     return init_device_mesh(
         device_type, (cfg.pp, cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.tp), mesh_dim_names=MESH_DIMS

@@ -19,11 +19,11 @@ from trainer.config import JobConfig, PipelineSchedule
 from trainer.model import Transformer, param_count
 from trainer.moe import auxiliary_loss_scale
 from trainer.parallel.context import shard_sequence
-from trainer.parallel.fsdp import defer_gradient_reduction
 from trainer.parallel.grad_norm import clip_grad_norm_
 from trainer.parallel.mesh import build_mesh, dp_coordinates
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.pipeline import Schedule, build_schedule, build_stages, split_stage, stage_indices
+from trainer.parallel.replicate import sync_gradients_on_last
 
 # Up to here (~4 GiB fp32) every rank initializes the whole model before sharding, so all layouts
 # start from bit-identical weights. Larger models are initialized shard by shard after parallelizing
@@ -83,10 +83,10 @@ class ParallelModel:
     def _accumulate(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
         (model,) = self.parts
         total = torch.zeros((), device=self.device)
-        shards = self.mesh["dp_shard"].size() * self.mesh["cp"].size()
+        whole = self.mesh["dp_shard"].size() * self.mesh["cp"].size() == 1
         chunks = zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)
         for i, (x, y) in enumerate(chunks):
-            defer_gradient_reduction(model, defer=i < n_microbatches - 1, shards=shards)
+            sync_gradients_on_last(model, last=i == n_microbatches - 1, whole=whole)
             with auxiliary_loss_scale(1 / n_microbatches):  # e.g. MoE balancing: weighed like this loss
                 loss = token_loss(model(x), y)
             (loss / n_microbatches).backward()

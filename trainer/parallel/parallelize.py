@@ -4,7 +4,9 @@ TP first (it rewrites parameters into tp-sharded DTensors), CP (ring attention a
 positions, inside the blocks), EP (experts sharded over ep ranks, with their own FSDP units), then
 activation checkpointing and compile
 (they wrap the already-parallel blocks), FSDP last (it shards whatever parameters it finds over dp).
-FSDP is applied even when dp = 1 so that every layout has the same parameter types and mixed precision.
+A layout that splits nothing in fp32 (pure data parallelism, or one process) gets DDP instead
+(``replicate.py``): FSDP with one shard per replica pays gathers and DTensors for no memory saving.
+Every other layout gets FSDP even when dp = 1, for the same parameter types and mixed precision.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from trainer.parallel.expert import apply_ep
 from trainer.parallel.float8 import apply_float8
 from trainer.parallel.fsdp import apply_fsdp, precision_policy
 from trainer.parallel.mesh import check_mesh, dp_mesh
+from trainer.parallel.replicate import apply_ddp, replicates
 from trainer.parallel.tensor import apply_tp
 
 
@@ -38,4 +41,6 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Tr
     apply_ac(model, cfg.activation_checkpointing)
     if cfg.compile:
         apply_compile(model)
+    if replicates(cfg):
+        return apply_ddp(model, mesh)
     return apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision, reshard_after_forward=reshard)

@@ -3,9 +3,11 @@
 Microbenchmarks on whatever backend the process has (plain torch, no Prefect): matmul throughput over
 a grid of shapes (the peak and the knee of ``kernels.gemm_efficiency``), memory bandwidth (a large
 copy), per-op dispatch cost, fused attention's efficiency, and collective α and β per process-group
-size (all-gathers of growing buffers over gloo, one group per size, via torch.multiprocessing), and
-the share of the host each of those processes gets when all compute at once. On CPU each figure is per
-process with one thread, as torchrun runs the trainer's workers (OMP_NUM_THREADS=1).
+size (all-gathers of growing buffers over gloo, one group per size, via torch.multiprocessing), the
+share of the host each of those processes gets when all compute at once, and FSDP2's round trip of
+one transformer block (``fully_shard``: its gathers, reduce-scatter and own work around them) at two
+block sizes. On CPU each figure is per process with one thread, as torchrun runs the trainer's
+workers (OMP_NUM_THREADS=1).
 
 The JSON is what ``trainer.plan.profile.load_profile`` reads.
 """
@@ -36,6 +38,9 @@ SHARE_SIZE, SHARE_REPEATS, SHARE_WINDOWS = (
     5,
 )  # the matmul every process runs at once to measure its share
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Units FSDP2 shards in the round-trip microbenchmark: the ``tiny`` and ``small`` presets' transformer
+# blocks (0.8 and 11.8 MB of fp32 parameters in 9 tensors), run on 8 tokens.
+FSDP_UNITS, FSDP_TOKENS, FSDP_REPEATS = ("tiny", "small"), 8, 7
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 5, min_time: float = 0.02) -> float:
@@ -145,6 +150,49 @@ def _compute_share_seconds(world: int) -> float:
     return min(windows)
 
 
+def _round_trip_seconds(block: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor) -> float:
+    """Median process CPU seconds of forward + backward (every rank runs the same count)."""
+    samples = []
+    for _ in range(FSDP_REPEATS):
+        dist.barrier()
+        began = time.process_time()  # CPU, not wall: the gloo thread's work counts, a neighbour's does not
+        block(x, rope).sum().backward()
+        samples.append(time.process_time() - began)
+    return statistics.median(samples[2:])
+
+
+def _fsdp_round_trips() -> list[dict[str, float]]:
+    """FSDP2's round trip of one unit over this process group: forward + backward of a transformer
+    block (trainer/model.py) under ``fully_shard`` (all-gather, reshard, all-gather again,
+    reduce-scatter) less the same block unsharded, for each of ``FSDP_UNITS``."""
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.config import ModelConfig
+    from trainer.model import TransformerBlock, rope_table
+
+    rows = []
+    for preset in FSDP_UNITS:
+        cfg = ModelConfig(preset=preset)
+        plain, sharded = TransformerBlock(cfg), fully_shard(TransformerBlock(cfg))
+        rope = rope_table(cfg.head_dim, FSDP_TOKENS, cfg.rope_theta)
+        x = torch.randn(1, FSDP_TOKENS, cfg.dim)
+        rows.append(
+            {
+                "param_bytes": 4 * sum(p.numel() for p in plain.parameters()),
+                "seconds": _round_trip_seconds(sharded, x, rope) - _round_trip_seconds(plain, x, rope),
+            }
+        )
+    return rows
+
+
+def fit_round_trip(rows: list[dict[str, float]]) -> tuple[float, float]:
+    """(λ, r) of t = λ + P·r through the smallest and largest unit measured (P: parameter bytes),
+    neither below zero (a noisy small unit can fall under the line)."""
+    small, large = min(rows, key=lambda r: r["param_bytes"]), max(rows, key=lambda r: r["param_bytes"])
+    per_byte = max(0.0, (large["seconds"] - small["seconds"]) / (large["param_bytes"] - small["param_bytes"]))
+    return max(0.0, small["seconds"] - per_byte * small["param_bytes"]), per_byte
+
+
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -161,9 +209,11 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     # The library's reduce-scatter and all-reduce against the ring model's time for them.
     reduce_scatter = _best(lambda: dist.reduce_scatter_tensor(shard, full)) / timings[-1]["seconds"]
     all_reduce = _best(lambda: dist.all_reduce(full)) / (2 * timings[-1]["seconds"])
+    fsdp = _fsdp_round_trips()
     if rank == 0:
         result = {
             "gemm_flops_per_s": 2 * SHARE_SIZE**3 / gemm_s,
+            "fsdp": fsdp,
             "timings": timings,
             "reduce_scatter_factor": reduce_scatter,
             "all_reduce_factor": all_reduce,
@@ -176,7 +226,8 @@ def collective_link(world: int, alone_flops: float) -> dict[str, Any]:
     """α from the smallest all-gather (all latency: t = (n−1)·α), β from the largest after removing it:
     t = (n−1)·α + S·(n−1)/n / B (two points: a shared host's timings are too noisy for a fit); and the
     share of one process's matmul rate each of ``world`` processes gets when all compute at once
-    (``alone_flops``: the same matmul in one process)."""
+    (``alone_flops``: the same matmul in one process); and FSDP2's round trip of a unit as
+    t = λ + P·r over its fp32 parameter bytes P, through the two units measured."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "timings.json")
         mp.spawn(_collective_worker, args=(world, _free_port(), out), nprocs=world, join=True)
@@ -186,6 +237,7 @@ def collective_link(world: int, alone_flops: float) -> dict[str, Any]:
     largest = timings[-1]
     moved = largest["bytes"] * (world - 1) / world
     bandwidth = moved / max(largest["seconds"] - (world - 1) * latency, 1e-9)
+    fsdp_latency, fsdp_per_byte = fit_round_trip(result["fsdp"])
     cores = os.cpu_count() or world
     share = min(1.0, cores / world, result["gemm_flops_per_s"] / alone_flops)  # never above its cores
     return {
@@ -195,7 +247,10 @@ def collective_link(world: int, alone_flops: float) -> dict[str, Any]:
         "reduce_scatter_factor": result["reduce_scatter_factor"],
         "all_reduce_factor": result["all_reduce_factor"],
         "compute_share": share,
+        "fsdp_latency_s": fsdp_latency,
+        "fsdp_s_per_byte": fsdp_per_byte,
         "raw": timings,
+        "raw_fsdp": result["fsdp"],
     }
 
 

@@ -169,10 +169,12 @@ def layer_comms(geo: Geometry, placement: dict[str, DimPlacement]) -> LayerComms
 
 
 def gradient_syncs(geo: Geometry) -> int:
-    """Gradient reductions (and FSDP gathers) per step: every micro-batch (the trainer's accumulation
-    loop reduce-scatters each one), or once under a pipeline (torch.distributed.pipelining defers the
-    FSDP sync to the last micro-batch's backward)."""
-    return geo.microbatches if geo.parallel.pp == 1 else 1
+    """Gradient reductions (and FSDP gathers) per step: every micro-batch when FSDP shards (the
+    trainer's accumulation loop reduce-scatters each one), else once: under a pipeline
+    (torch.distributed.pipelining defers the FSDP sync to the last micro-batch's backward), and when
+    each rank holds whole gradients (DDP, or one FSDP shard per replica), which the trainer reduces
+    only after the last micro-batch, as DDP's ``no_sync``."""
+    return geo.microbatches if geo.parallel.pp == 1 and geo.fsdp_degree > 1 else 1
 
 
 def gathers_per_sync(geo: Geometry) -> int:

@@ -72,7 +72,10 @@ def elementwise_bytes(geo: Geometry) -> float:
 
 def fsdp_copy_bytes(geo: Geometry) -> float:
     """FSDP2's copies around each block's collectives: the all-gather's copy-out of the e-byte layer
-    (read + write) and the reduce-scatter's fp32 copy-in of its gradient (read e, write 4)."""
+    (read + write) and the reduce-scatter's fp32 copy-in of its gradient (read e, write 4). None under
+    DDP, which computes on the parameters themselves."""
+    if geo.replicated:
+        return 0.0
     layer = geo.layer_params_tp
     return layer * (2 * geo.compute_bytes + geo.compute_bytes + FP32)
 

@@ -41,6 +41,14 @@ class Geometry:
         return self.parallel.dp_shard * self.parallel.cp
 
     @property
+    def replicated(self) -> bool:
+        """DDP, not FSDP, holds the parameters: as ``trainer.parallel.replicate.replicates`` decides
+        (pure fp32 data parallelism; this module stays free of torch)."""
+        par = self.parallel
+        splits = (par.dp_shard, par.cp, par.tp, par.pp, par.ep)
+        return all(degree == 1 for degree in splits) and par.mixed_precision == "fp32"
+
+    @property
     def layers_per_stage(self) -> int:
         return self.model.n_layers // self.parallel.pp
 

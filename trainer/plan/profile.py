@@ -56,6 +56,9 @@ class HardwareProfile:
     links_by_ranks: dict[int, Link] = field(default_factory=dict)
     # Calibrated CPU hosts: the share of one process's compute each gets when n run at once.
     compute_share_by_ranks: dict[int, float] = field(default_factory=dict)
+    # Calibrated hosts: FSDP2's measured round trip of one unit, (latency s, s per fp32 parameter byte),
+    # by process-group size (see timing.fsdp_host_seconds).
+    fsdp_round_trip_by_ranks: dict[int, tuple[float, float]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -66,7 +69,7 @@ class HardwareProfile:
     def on_node(self, processes: int) -> HardwareProfile:
         """This profile for ``processes`` per host: where calibration measured how much of the host
         each of n busy processes gets (CPU: cores, and whatever else runs there), scale the compute,
-        bandwidth and dispatch rate by the share measured for the nearest n."""
+        bandwidth, dispatch rate and FSDP round trip by the share measured for the nearest n."""
         if processes == 1 or not self.compute_share_by_ranks:
             return self
         nearest = min(self.compute_share_by_ranks, key=lambda n: (abs(n - processes), -n))
@@ -76,10 +79,23 @@ class HardwareProfile:
             peak_flops={name: flops * share for name, flops in self.peak_flops.items()},
             hbm_bandwidth=self.hbm_bandwidth * share,
             kernel_overhead_s=self.kernel_overhead_s / share,
+            fsdp_round_trip_by_ranks={
+                n: (latency / share, per_byte / share)
+                for n, (latency, per_byte) in self.fsdp_round_trip_by_ranks.items()
+            },
         )
 
     def peak(self, precision: MatmulPrecision) -> float:
         return self.peak_flops[precision]
+
+    def fsdp_round_trip(self, ranks: int) -> tuple[float, float]:
+        """(latency s, s per fp32 parameter byte) of FSDP2's measured round trip for the nearest group
+        size calibrated; (0, 0) where none was (accelerators: see timing.fsdp_host_seconds)."""
+        if ranks == 1 or not self.fsdp_round_trip_by_ranks:
+            return 0.0, 0.0
+        return self.fsdp_round_trip_by_ranks[
+            min(self.fsdp_round_trip_by_ranks, key=lambda n: (abs(n - ranks), -n))
+        ]
 
     def link(self, domain: Domain, ranks: int) -> Link:
         if self.links_by_ranks and domain == "intra":
@@ -115,7 +131,9 @@ def load_profile(chip: Chip, path: str | Path | None) -> HardwareProfile:
     """The catalog's figures for ``chip``, with those a calibration file measured put in their place.
 
     The file is what ``tessera calibrate`` writes: ``peak_flops`` per precision, the figures named in
-    ``CALIBRATED_FIGURES``, and ``collectives`` as ``[{"ranks", "latency_s", "bandwidth"}]``.
+    ``CALIBRATED_FIGURES``, and ``collectives`` as ``[{"ranks", "latency_s", "bandwidth", ...}]``, each
+    with its reduce-scatter and all-reduce factors, compute share and FSDP2 round trip
+    (``fsdp_latency_s``, ``fsdp_s_per_byte``) where measured.
     """
     profile = catalog_profile(chip)
     if path is None:
@@ -139,6 +157,11 @@ def load_profile(chip: Chip, path: str | Path | None) -> HardwareProfile:
         }
         updates["compute_share_by_ranks"] = {
             c["ranks"]: c["compute_share"] for c in data["collectives"] if "compute_share" in c
+        }
+        updates["fsdp_round_trip_by_ranks"] = {
+            c["ranks"]: (c["fsdp_latency_s"], c["fsdp_s_per_byte"])
+            for c in data["collectives"]
+            if "fsdp_s_per_byte" in c
         }
         updates["links"] = {
             **profile.links,

@@ -9,6 +9,8 @@ they outlast the ring step of attention they run behind (``context.py``). Across
   gather shows only where it outlasts a block's forward; in backward, block i's reduce-scatter (and
   the HSDP all-reduce after it) runs behind block i−1's backward. The first gather and the last
   reduction have nothing to hide behind. The root unit (embedding, head) is gathered once per step.
+  On a host nothing hides, and FSDP2's own work around each unit's collectives, measured by
+  ``tessera calibrate``, adds per unit and sync (:func:`fsdp_host_seconds`).
 - A pipeline adds the bubble: GPipe and 1F1B idle (p−1) stage-slots per step, interleaved 1F1B
   (p−1)/v (Narayanan et al. 2021, §2.2); with unequal stages, Σ stages − slowest, over v. Zero-bubble
   schedules leave a share of that set by the block's forward, input- and weight-gradient times
@@ -39,10 +41,12 @@ from trainer.plan.compute import (
     block_attention_seconds,
     block_seconds,
     embedding_seconds,
+    fsdp_copy_bytes,
     head_seconds,
     optimizer_seconds,
 )
 from trainer.plan.context import ring_exposed_seconds
+from trainer.plan.kernels import memory_seconds
 from trainer.plan.layout import Geometry
 from trainer.plan.profile import HardwareProfile
 
@@ -109,6 +113,29 @@ def root_exposed(geo: Geometry, placement: dict[str, DimPlacement]) -> tuple[flo
     )
 
 
+def fsdp_host_seconds(geo: Geometry, hw: HardwareProfile, shard: DimPlacement, params: float) -> float:
+    """FSDP2's own work on a host per sync for a unit of ``params`` (one TP rank's), beyond what the
+    plan prices elsewhere: allocating and first-touching the gathered and gradient buffers, its hooks
+    and per-parameter views, gradient division and accumulation.
+
+    ``tessera calibrate`` times FSDP2's round trip of a transformer block (fp32, resharded: two
+    all-gathers and a reduce-scatter, with everything around them) as t = λ + 4P·r over its parameter
+    bytes; the part priced already (those collectives' α–β, and the copies of ``fsdp_copy_bytes`` at
+    memory bandwidth) is taken off, and the rest scales with the layout's traffic, gathers·e + 4 bytes
+    per parameter against the measured 2·4 + 4. Zero where nothing was measured: an accelerator's host
+    runs this work ahead of the device queue.
+    """
+    latency, per_byte = hw.fsdp_round_trip(shard.degree)
+    if not latency and not per_byte:
+        return 0.0
+    size, link, n = FP32 * params, link_of(shard), shard.degree
+    collectives = 2 * collective_seconds("all_gather", size, n, link)
+    collectives += collective_seconds("reduce_scatter", size, n, link)
+    copies = memory_seconds(fsdp_copy_bytes(geo) * params / geo.layer_params_tp, hw)
+    rest = max(0.0, latency + per_byte * size - collectives - copies)
+    return rest * (gathers_per_sync(geo) * geo.compute_bytes + FP32) / (3 * FP32)
+
+
 def tp_exposed(geo: Geometry, block: BlockSeconds, comms: LayerComms, overlap: Overlap) -> float:
     """One micro-batch's TP collectives on the critical path: all of them, or with async TP only what
     outlasts the blocks' compute (the collectives are decomposed and pipelined with the matmuls)."""
@@ -141,10 +168,13 @@ def step_time(
     bubble = share * (sum(stages) - slowest + (len(stages) - 1) * (tp + pp)) / v
     shard, replicate = fsdp_exposed(geo, hw, block, comms, overlap)
     root_gather, root_reduce, root_all_reduce = root_exposed(geo, by_dim)
+    fsdp_placed = fsdp_placement(by_dim)
+    fsdp_host = geo.layers_per_stage * fsdp_host_seconds(geo, hw, fsdp_placed, geo.layer_params_tp)
+    fsdp_host += fsdp_host_seconds(geo, hw, fsdp_placed, geo.root_params_tp)
     exposed = {
         "tp": m * tp,
         "cp": m * geo.layers_per_stage * ring,
-        "dp_shard": syncs * (shard + root_reduce) + root_gather,
+        "dp_shard": syncs * (shard + root_reduce + fsdp_host) + root_gather,
         "dp_replicate": syncs * (replicate + root_all_reduce),
         "pp": m * pp,
         "ep": by_dim["ep"].time_s if "ep" in by_dim else 0.0,  # see experts.py: nothing hides it
