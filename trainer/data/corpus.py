@@ -15,6 +15,7 @@ Three sources:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import sys
@@ -148,8 +149,10 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
 
 
-def stdlib_files() -> list[Path]:
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+@functools.cache
+def stdlib_files() -> tuple[Path, ...]:
+    """Listed once per process: every part of a preparation reads its slice of the same listing."""
+    return tuple(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
 
 
 def generated_documents(count: int, seed: int = 0) -> list[str]:

@@ -4,8 +4,9 @@ The loader asks for the shard its next rows are in, and says which shards come a
 seeded order; :class:`ShardReader` keeps that shard and fetches the next ``prefetch`` (K) of them on K
 threads, so with K ≥ 1 a shard's download overlaps the reading of the one before it. Everything else
 is dropped. Memory is bounded: per source and per loader process, at most K + 1 shards are held or in
-flight, each as its tar bytes while it downloads and decodes and as its decoded tokens after, so the
-peak is below ``(K + 1) × (tar bytes + token bytes)`` of the largest shard (measured by
+flight. A download holds up to twice its tar bytes (the HTTP client's received chunks and their joined
+copy), a decode its tar bytes and its tokens, a held shard its tokens, so the peak is below
+``(K + 1) × (2 × tar bytes + token bytes)`` of the largest shard (measured by
 ``benchmarks/bench_data.py``). Every read goes through :func:`trainer.storage.read`: transient store
 errors are retried with jittered exponential backoff, and a shard is checked against the manifest's
 sha256 before use.
@@ -152,20 +153,33 @@ class ShardReader:
 
 
 def decode_shard(data: bytes, dtype: TokenDtype, sample_len: int, name: str) -> np.ndarray:
-    """All samples of a shard as an array [samples, sample_len], in stored order."""
-    _check_members(data, np.dtype(dtype).itemsize * sample_len, name)
+    """All samples of a shard as an array [samples, sample_len], in stored order.
+
+    Each sample is copied into the output as soon as webdataset yields it, so decoding holds the tar
+    bytes, the tokens and one sample at a time: the memory bound of the module docstring.
+    """
+    count = _check_members(data, np.dtype(dtype).itemsize * sample_len, name)
+    tokens = np.empty((count, sample_len), dtype=dtype)
+    stream = [{"url": name, "stream": io.BytesIO(data)}]
+    decoded = 0
     try:
-        members = group_by_keys(tar_file_expander([{"url": name, "stream": io.BytesIO(data)}]))
-        rows = [np.frombuffer(sample[TOKENS_EXT], dtype=dtype) for sample in members]
+        for sample in group_by_keys(tar_file_expander(stream)):
+            row = np.frombuffer(sample[TOKENS_EXT], dtype=dtype)
+            if decoded == count or len(row) != sample_len:
+                break
+            tokens[decoded] = row
+            decoded += 1
+        else:
+            if decoded == count and count:
+                return tokens
     except Exception as error:
         raise DataError(f"shard {name} is not a readable tar of token samples ({error})") from error
-    if not rows or any(len(row) != sample_len for row in rows):
-        raise DataError(f"shard {name} holds samples of the wrong length (want {sample_len} tokens)")
-    return np.stack(rows)
+    raise DataError(f"shard {name} holds samples of the wrong length (want {sample_len} tokens)")
 
 
-def _check_members(data: bytes, sample_bytes: int, name: str) -> None:
-    """Refuse a shard that would expand beyond its own bytes before anything is extracted.
+def _check_members(data: bytes, sample_bytes: int, name: str) -> int:
+    """Refuse a shard that would expand beyond its own bytes before anything is extracted; returns how
+    many members it has (one per sample).
 
     A manifest's sha256 only proves the shard is the one that was listed, not that it is harmless: a
     compressed tar (which ``tarfile`` would open transparently) or a sparse member can expand a
@@ -173,6 +187,7 @@ def _check_members(data: bytes, sample_bytes: int, name: str) -> None:
     anything compressed, sparse or larger than a sample is not a tessera shard. Only the headers are
     read here.
     """
+    count = 0
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             for member in tar:
@@ -181,10 +196,12 @@ def _check_members(data: bytes, sample_bytes: int, name: str) -> None:
                         f"shard {name} has a member {member.name!r} of {member.size} bytes; a tessera "
                         f"shard holds plain samples of {sample_bytes} bytes: re-run data preparation"
                     )
+                count += 1
     except tarfile.ReadError as error:
         raise DataError(
             f"shard {name} is not a plain (uncompressed) tar of token samples ({error}); re-run data preparation"
         ) from error
+    return count
 
 
 def fetch_shard(url: str, shard: ShardInfo, dtype: TokenDtype, sample_len: int) -> np.ndarray:
