@@ -27,7 +27,7 @@ from trainer.config import (
     TrainConfig,
     layout_errors,
 )
-from trainer.plan import make_plan, plan_for_job, resolve_checkpoint_interval, search_layouts
+from trainer.plan import Plan, make_plan, plan_for_job, resolve_checkpoint_interval, search_layouts
 from trainer.plan.checkpointing import daly_interval_seconds, mtbf_seconds
 from trainer.plan.compute import fsdp_copy_bytes
 from trainer.plan.layout import Geometry
@@ -178,11 +178,12 @@ def test_memory_estimate_within_10_percent_of_measured_peak(preset: str, ac: str
     )
 
 
-def test_pipeline_bubble_and_in_flight_microbatches() -> None:
+def pipeline_plans(virtual_stages: dict[str, int]) -> dict[str, Plan]:
+    """The small preset on 4 pipeline stages, 16 micro-batches, under each schedule (its virtual stages)."""
     model = ModelConfig(preset="small")
     train = TrainConfig(seq_len=128, global_batch_size=16, micro_batch_size=1)
     hardware = HardwareConfig(chips_per_node=4)
-    plans = {
+    return {
         schedule: make_plan(
             model,
             ParallelConfig(pp=4, pp_schedule=schedule, pp_virtual_stages=v),
@@ -190,8 +191,12 @@ def test_pipeline_bubble_and_in_flight_microbatches() -> None:
             hardware,
             CheckpointConfig(),
         )
-        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))
+        for schedule, v in virtual_stages.items()
     }
+
+
+def test_pipeline_bubble_and_in_flight_microbatches() -> None:
+    plans = pipeline_plans({"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2})
     assert plans["gpipe"].bubble_fraction == plans["1f1b"].bubble_fraction == 3 / 16
     assert plans["interleaved_1f1b"].bubble_fraction == 3 / 32
     activations = {k: p.memory_per_chip_bytes.activations for k, p in plans.items()}
@@ -202,19 +207,8 @@ def test_pipeline_bubble_and_in_flight_microbatches() -> None:
 def test_zero_bubble_schedules_shrink_the_bubble_by_the_papers_formulae() -> None:
     # Qi et al. 2024 at F = B = W: ZB1P a third of 1F1B's bubble, ZB-V and DualPipeV none; in the step
     # time the modelled passes (W = the weight-gradient matmuls) set the share instead.
-    model = ModelConfig(preset="small")
-    train = TrainConfig(seq_len=128, global_batch_size=16, micro_batch_size=1)
-    hardware = HardwareConfig(chips_per_node=4)
-    plans = {
-        schedule: make_plan(
-            model,
-            ParallelConfig(pp=4, pp_schedule=schedule, pp_virtual_stages=2),
-            train,
-            hardware,
-            CheckpointConfig(),
-        )
-        for schedule in ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-    }
+    schedules = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+    plans = pipeline_plans(dict.fromkeys(schedules, 2))
     assert plans["interleaved_zero_bubble"].bubble_fraction == pytest.approx(3 / 32 / 3)
     assert plans["zbv_zero_bubble"].bubble_fraction == plans["dualpipev"].bubble_fraction == 0
     bubbles = {k: p.time_breakdown.bubble_s for k, p in plans.items()}

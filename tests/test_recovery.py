@@ -31,8 +31,8 @@ import pytest
 
 from deployments.spec import TrainingSpec
 from tests.fault_report import FaultRow, record
-from tests.pipeline_specs import MICRO_MODEL
 from tests.test_faults import FINISH, Agent, curve, last_step, wait_for_line
+from tests.test_faults import SPEC as FAULTS_SPEC
 from trainer.agents import agent_workers, start_agent
 from trainer.checkpoint.memory import Inventory, memory_directory, newest_common_step
 from trainer.config import CheckpointConfig, HardwareConfig, JobConfig, ModelConfig
@@ -43,15 +43,11 @@ from trainer.rundir import RunDir
 
 WAIT_S = 240.0
 MEMORY_INTERVAL = 1
+# The fault tests' two-"node" job, with snapshots to host memory every step and restarts allowed.
 SPEC: dict[str, Any] = {
+    **FAULTS_SPEC,
     "name": "recovery",
     "seed": 7,
-    "model": MICRO_MODEL,
-    "data": {"loader_workers": 0},
-    "train": {"steps": 12, "seq_len": 16, "global_batch_size": 8, "micro_batch_size": 2},
-    "parallel": {"dp_shard": 2},
-    "cluster": {"nodes": 2, "chips_per_node": 1},
-    "optimizer": {"lr": 1e-2, "warmup_steps": 2},
     "checkpoint": {"interval": 4, "mode": "sync", "memory_interval": MEMORY_INTERVAL},
     "faults": {"max_restarts": 2, "step_timeout_s": 60, "collective_timeout_s": 30},
 }

@@ -220,36 +220,32 @@ def check_fqns(pm: ParallelModel, job: JobConfig) -> None:
     )
 
 
+def reshard_errors(model: dict[str, Any], pairs: list[tuple[str, str]], work: Path) -> dict[str, float]:
+    """Largest parameter error of each (saved layout → loaded layout) checkpoint round trip."""
+    return {
+        f"{saved}->{loaded}": reshard_max_error(
+            job_for(model, LAYOUTS[saved][1]), job_for(model, LAYOUTS[loaded][1]), work / saved
+        )
+        for saved, loaded in pairs
+    }
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     assert dist.get_world_size() == WORLD, f"run with --nproc-per-node {WORLD}"
     results: dict[str, Any] = {"reference": {}, "layouts": {}}
     results["ring_attention_error"] = ring_attention_max_error()
+    work = Path(out_path).parent
     # A CP run's checkpoint loads into plain FSDP, and a plain one into CP×FSDP (DCP reshards by name).
-    results["cp_reshard_error"] = {
-        f"{saved}->{loaded}": reshard_max_error(
-            job_for(MODEL, LAYOUTS[saved][1]),
-            job_for(MODEL, LAYOUTS[loaded][1]),
-            Path(out_path).parent / saved,
-        )
-        for saved, loaded in (("cp2_tp2_full_ac", "fsdp4"), ("fsdp4", "cp2_fsdp2"))
-    }
+    results["cp_reshard_error"] = reshard_errors(
+        MODEL, [("cp2_tp2_full_ac", "fsdp4"), ("fsdp4", "cp2_fsdp2")], work
+    )
     # DDP's plain tensors load into FSDP×TP's DTensors, and back.
-    results["ddp_reshard_error"] = {
-        f"{saved}->{loaded}": reshard_max_error(
-            job_for(MODEL, LAYOUTS[saved][1]),
-            job_for(MODEL, LAYOUTS[loaded][1]),
-            Path(out_path).parent / saved,
-        )
-        for saved, loaded in (("ddp4", "dp2_tp2"), ("dp2_tp2", "ddp4"))
-    }
+    results["ddp_reshard_error"] = reshard_errors(MODEL, [("ddp4", "dp2_tp2"), ("dp2_tp2", "ddp4")], work)
     # Experts split over ep ranks load into plain FSDP, and back into EP×TP.
-    results["moe_reshard_error"] = {
-        f"{saved}->{loaded}": reshard_max_error(
-            job_for(MOE, LAYOUTS[saved][1]), job_for(MOE, LAYOUTS[loaded][1]), Path(out_path).parent / saved
-        )
-        for saved, loaded in (("moe_ep2_fsdp2", "moe_fsdp4"), ("moe_fsdp4", "moe_ep2_tp2"))
-    }
+    results["moe_reshard_error"] = reshard_errors(
+        MOE, [("moe_ep2_fsdp2", "moe_fsdp4"), ("moe_fsdp4", "moe_ep2_tp2")], work
+    )
     if dist.get_rank() == 0:
         results["reference"] = {
             "untied": train_reference(job_for(MODEL, {"dp_shard": WORLD})),
