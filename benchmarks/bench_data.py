@@ -5,7 +5,9 @@
   (``TOKENIZERS_PARALLELISM=false`` for both) on the same texts. Goal >= 0.9.
 - ``prepare_2_vs_1_workers``: the same parts mapped over a Dask ``LocalCluster`` of 2 single-threaded
   workers over 1 worker (the engine under Prefect's Dask task runner; the cluster is started and warm
-  before the clock starts). Goal >= 1.7, with the two manifests byte-identical.
+  before the clock starts). Goal >= 1.7, with the two manifests byte-identical. Beside it,
+  ``raw_encode_2_vs_1_workers``: raw ``encode_batch`` of the same parts' texts (already on the workers)
+  on the same clusters, the most two workers can gain on this host for this work.
 - ``loader_vs_2x_model``: the loader's tokens/s (one rank reading whole global batches in its own
   process, K = 2 shards prefetched) from ``s3://`` (moto) through a proxy adding 100 ms to every
   request, over twice the ``small`` model's single-process forward+backward tokens/s, i.e. what two
@@ -30,12 +32,14 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache, partial
 from pathlib import Path
 
 os.environ["TOKENIZERS_PARALLELISM"] = "false"  # per core: before any tokenizer runs
 
 import torch
 from distributed import Client, LocalCluster
+from tokenizers import Tokenizer
 
 from benchmarks.common import Goal, Headline, main
 from benchmarks.mixture_reader import (
@@ -86,8 +90,8 @@ def bench_prepare(root: Path, model: ModelConfig) -> dict[str, float | bool]:
         start = time.perf_counter()
         [prepare_part(job) for job in jobs]
         runs.append({"raw_s": raw_s, "prepare_s": time.perf_counter() - start})
-    scaling = {workers: _dask_prepare(root, plan, tokenizer, workers) for workers in (1, 2)}
-    manifests = [Path(url).read_bytes() for _, url in scaling.values()]
+    scaling = {workers: _dask_prepare(root, plan, tokenizer, model.vocab_size, workers) for workers in (1, 2)}
+    manifests = [Path(url).read_bytes() for _, _, url in scaling.values()]
     raw_s, prepare_s = min(r["raw_s"] for r in runs), min(r["prepare_s"] for r in runs)
     return {
         "corpus_tokens": raw_tokens,
@@ -98,6 +102,7 @@ def bench_prepare(root: Path, model: ModelConfig) -> dict[str, float | bool]:
         "prepare_dask_1_worker_s": scaling[1][0],
         "prepare_dask_2_workers_s": scaling[2][0],
         "prepare_2_vs_1_workers": scaling[1][0] / scaling[2][0],
+        "raw_encode_2_vs_1_workers": scaling[1][1] / scaling[2][1],
         "manifests_identical": manifests[0] == manifests[1],
     }
 
@@ -107,8 +112,9 @@ def _jobs_in(output: Path, plan, tokenizer):  # type: ignore[no-untyped-def]
     return [job.model_copy(update={"output_url": str(output)}) for job in part_jobs(plan, tokenizer)]
 
 
-def _dask_prepare(root: Path, plan, tokenizer, workers: int) -> tuple[float, str]:  # type: ignore[no-untyped-def]
-    """Seconds to prepare every part on ``workers`` warm Dask workers, best of REPEATS; and the manifest."""
+def _dask_prepare(root: Path, plan, tokenizer, vocab_size: int, workers: int) -> tuple[float, float, str]:  # type: ignore[no-untyped-def]
+    """Seconds to prepare every part on ``workers`` warm Dask workers, and to encode the parts' texts
+    alone, best of REPEATS each; and the manifest."""
     cluster = LocalCluster(
         n_workers=workers,
         threads_per_worker=1,
@@ -119,12 +125,18 @@ def _dask_prepare(root: Path, plan, tokenizer, workers: int) -> tuple[float, str
     with cluster, Client(cluster) as client:
         warm = _jobs_in(root / f"dask-{workers}-warm", plan, tokenizer)[:workers]
         client.gather(client.map(prepare_part, warm, pure=False))  # imports, tokenizer parse
-        times = []
+        texts = client.scatter([read_documents(part) for part in plan.all_parts])
+        encode = partial(_encode_tokens, tokenizer.url, vocab_size)
+        client.gather(client.map(encode, texts[:workers], pure=False))  # the workers' encoders, parsed
+        times, raw_times = [], []
         for repeat in range(REPEATS):
             jobs = _jobs_in(root / f"dask-{workers}-{repeat}", plan, tokenizer)
             start = time.perf_counter()
             records = client.gather(client.map(prepare_part, jobs, pure=False))
             times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            client.gather(client.map(encode, texts, pure=False))
+            raw_times.append(time.perf_counter() - start)
     moved = plan.model_copy(
         update={
             "datasets": {
@@ -132,7 +144,17 @@ def _dask_prepare(root: Path, plan, tokenizer, workers: int) -> tuple[float, str
             }
         }
     )
-    return min(times), str(Path(assemble(moved, tokenizer, jobs, records)))
+    return min(times), min(raw_times), str(Path(assemble(moved, tokenizer, jobs, records)))
+
+
+@cache
+def _encoder(url: str, vocab_size: int) -> Tokenizer:
+    return parse_tokenizer(read_tokenizer_bytes(url), url, vocab_size)
+
+
+def _encode_tokens(url: str, vocab_size: int, texts: list[str]) -> int:
+    """Raw ``encode_batch`` of ``texts`` in a Dask worker, with the worker's parsed encoder."""
+    return sum(len(e.ids) + 1 for e in _encoder(url, vocab_size).encode_batch(texts))
 
 
 @contextmanager

@@ -66,6 +66,10 @@ SEED = 1
 MTBF_S = 10.0  # one kill -9 per this many seconds of training, on average
 STEPS, INTERVAL = 120, 10
 CALIBRATION_STEPS, CALIBRATION_GAPS = 30, [3.0, 3.0]  # two restarts: one sample of a restart is too noisy
+# Every step lasts at least 0.3 s (rank 0 sleeps before it), so that the runs train long enough for
+# the kills to land however fast the machine is: the tiny model alone steps in ~0.06 s on a quiet box,
+# and 120 such steps end before the first kill.
+PACED = {"TESSERA_FAULT_SLOW_RANK": "0", "TESSERA_FAULT_SLOW_S": "0.3"}
 HEADLINE = Headline(
     ratio="llama3_405b.two_tier.effective_training_time",
     baseline="restart-all from storage, same failures",
@@ -195,7 +199,7 @@ def kill_on_schedule(launcher: subprocess.Popen[str], goodput_file: Path, gaps: 
 def faulted_run(run_dir: Path, steps: int, interval: int, gaps: list[float]) -> tuple[Breakdown, int]:
     """Train the tiny model, killing rank 1 ``gaps[i]`` seconds after the i-th resume; its breakdown and
     how many kills landed (the run may finish before the next gap is up)."""
-    launcher = launch(cpu_spec(steps, interval, len(gaps)), run_dir, {})
+    launcher = launch(cpu_spec(steps, interval, len(gaps)), run_dir, PACED)
     kill_times: list[float] = []
     killer = threading.Thread(
         target=lambda: kill_times.extend(kill_on_schedule(launcher, RunDir(run_dir).goodput, gaps))

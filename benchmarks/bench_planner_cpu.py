@@ -20,6 +20,7 @@ Minutes, not seconds (one torchrun per row).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -122,14 +123,26 @@ def predicted_step_s(job: JobConfig) -> tuple[float, dict[str, float]]:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation (no ties expected among measured times)."""
+    """Rank correlation, tied values sharing their mean rank (the planner prices the GPipe and 1F1B
+    rows alike), as Pearson's correlation of the ranks."""
 
-    def ranks(values: list[float]) -> list[int]:
+    def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=values.__getitem__)
-        return [order.index(i) for i in range(len(values))]
+        result = [0.0] * len(values)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+                end += 1
+            for i in order[start : end + 1]:
+                result[i] = (start + end) / 2
+            start = end + 1
+        return result
 
-    rx, ry, n = ranks(xs), ranks(ys), len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
 
 
 def compare(name: str, job: JobConfig, work: Path, measured_by_job: dict[str, float]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from trainer.job import resolve_job
 from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
 from trainer.lease import Lease
 from trainer.plan import Plan, plan_for_job
+from trainer.replica_groups import replica_groups
 from trainer.rundir import RunDir, runs_root
 
 # Spec fields that do not change what is trained (evaluation, logging, operations), so a continued
@@ -175,15 +176,31 @@ class Run:
     ) -> LaunchResult:
         """Run this run's torchrun agents on this host (default: one, as ``tessera train`` does) with
         the backend's environment; an agent held stopped for ``faults.step_timeout_s`` is a hang. With
-        ``faults.min_nodes`` a lost agent does not end the run (see :func:`trainer.launch.run_agents`)."""
+        ``faults.min_nodes`` a lost agent does not end the run (see :func:`trainer.launch.run_agents`); with
+        ``faults.replica_fault_tolerance`` each replica group is an agent of its own, around the run's
+        Lighthouse, and one that runs out of restarts stops no other."""
+        faults = self.job.faults
+        if commands is None and faults.replica_fault_tolerance:
+            with replica_groups(self.job, self.dir.job, self.dir.path) as groups:
+                return self._run_agents(groups, echo, poll, elastic=True)
+        commands = commands or [self.torchrun_command()]
+        return self._run_agents(commands, echo, poll, elastic=faults.min_nodes is not None)
+
+    def _run_agents(
+        self,
+        commands: list[list[str]],
+        echo: Callable[[str], object] | None,
+        poll: Callable[[], None],
+        elastic: bool,
+    ) -> LaunchResult:
         return run_agents(
-            commands or [self.torchrun_command()],
+            commands,
             launch_env(self.job),
             self.dir,
             echo=echo,
             poll=poll,
             stopped_after_s=self.job.faults.step_timeout_s,
-            elastic=self.job.faults.min_nodes is not None,
+            elastic=elastic,
         )
 
     def torchrun_command(
@@ -208,6 +225,7 @@ class Run:
             run_id=self.run_id,
             min_nodes=self.spec.faults.min_nodes,
             replacement_wait_s=self.spec.faults.replacement_wait_s,
+            warm_restart=self.spec.faults.warm_restart,
         )
         return [python, *command[1:]]
 

@@ -32,6 +32,7 @@ from trainer.config import (
 )
 from trainer.elastic import elastic_errors
 from trainer.plan import fit_error
+from trainer.replica_groups import replica_ft_errors
 
 SPEC_DIR = Path(__file__).parent / "specs"
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"  # a valid Kubernetes name, so job names derive from it
@@ -159,6 +160,7 @@ class TrainingSpec(Strict):
             )
         errors = layout_errors(self.model, self.parallel, self.train, cluster)
         errors += elastic_errors(self.model, self.parallel, self.train, cluster, self.faults)
+        errors += replica_ft_errors(self.parallel, self.faults, self.checkpoint)
         if self.data.source == "files" and not self.data.paths:
             errors.append("data.source=files needs data.paths (files, globs or gs:// / s3:// URLs)")
         if errors:

@@ -43,7 +43,7 @@ from tasks.attempts import record_failure, summary
 from tasks.provision import free_port
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import MICRO_MODEL
-from trainer.agents import agent_workers, kill_agent, start_agent
+from trainer.agents import agent_workers, kill_agent, start_agent, worker_pid
 from trainer.checkpoint import CheckpointStoreError, list_checkpoints
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
@@ -106,9 +106,10 @@ class Agent:
         return next((at for at, line in self.lines if text in line), None)
 
     def worker_pid(self) -> int:
-        """The training rank this agent started (one per agent here)."""
+        """The training rank this agent started (one per agent here): with warm restarts, the process
+        the fork server forked for torchrun's worker."""
         (pid,) = agent_workers(self.proc.pid)
-        return pid
+        return worker_pid(pid)
 
     def kill(self) -> None:
         """SIGKILL the whole node: the agent and its rank together."""

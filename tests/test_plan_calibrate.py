@@ -1,4 +1,5 @@
-"""The planner's calibrated host terms: FSDP2's measured round trip, less what the plan prices already."""
+"""The planner's calibrated host terms: FSDP2's and TP's measured round trips, less what the plan prices
+already, and the element-wise bandwidth a real block reaches."""
 
 from __future__ import annotations
 
@@ -7,39 +8,44 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.backends.chips import get_chip
 from trainer.config import CheckpointConfig, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.model import TransformerBlock, rope_table
 from trainer.plan import make_plan
-from trainer.plan.calibrate import fit_round_trip
-from trainer.plan.comms import collective_seconds, link_of, place
-from trainer.plan.compute import fsdp_copy_bytes
+from trainer.plan.calibrate import PROBE_BLOCK, fit_round_trip, narrow_to_one_tp_rank
+from trainer.plan.comms import collective_seconds, layer_comms, link_of, place
+from trainer.plan.compute import block_seconds, elementwise_bytes, fsdp_copy_bytes, optimizer_seconds
 from trainer.plan.kernels import memory_seconds
 from trainer.plan.layout import Geometry
 from trainer.plan.profile import HardwareProfile, catalog_profile, load_profile
-from trainer.plan.timing import fsdp_host_seconds
+from trainer.plan.timing import fsdp_host_seconds, tp_host_seconds
 
 LATENCY, PER_BYTE = 2e-3, 3e-9  # a round trip of λ = 2 ms + 3 ns per fp32 parameter byte
+TP_LATENCY, TP_PER_BYTE = 20e-3, 2e-8  # a TP block: 20 ms + 20 ns per fp32 activation byte
 TRAIN = TrainConfig(seq_len=128, global_batch_size=8, micro_batch_size=1)
 HARDWARE = HardwareConfig(chips_per_node=2)
 
 
-def cpu_profile(tmp_path: Path, fsdp: bool = True) -> HardwareProfile:
+def cpu_profile(tmp_path: Path, fsdp: bool = True, tp: bool = True, **figures: float) -> HardwareProfile:
     """The catalog CPU with one calibrated 2-rank group (as `tessera calibrate` writes it)."""
     group = {"ranks": 2, "latency_s": 2e-4, "bandwidth": 1.5e9, "reduce_scatter_factor": 1.3}
     group |= {"compute_share": 1.0}
     if fsdp:
         group |= {"fsdp_latency_s": LATENCY, "fsdp_s_per_byte": PER_BYTE}
+    if tp:
+        group |= {"tp_latency_s": TP_LATENCY, "tp_s_per_byte": TP_PER_BYTE}
     path = tmp_path / "cpu.json"
-    path.write_text(json.dumps({"chip": "cpu", "collectives": [group]}))
+    path.write_text(json.dumps({"chip": "cpu", "collectives": [group], **figures}))
     return load_profile(get_chip("cpu"), path)
 
 
 def test_fit_round_trip_is_the_line_through_the_two_units() -> None:
-    rows = [{"param_bytes": 1e6, "seconds": 5e-3}, {"param_bytes": 11e6, "seconds": 35e-3}]
+    rows = [{"bytes": 1e6, "seconds": 5e-3}, {"bytes": 11e6, "seconds": 35e-3}]
     assert fit_round_trip(rows) == pytest.approx((2e-3, 3e-9))
     # a noisy small unit above the line's origin never gives a negative latency or rate
-    assert fit_round_trip([{"param_bytes": 1e6, "seconds": 9e-3}, {"param_bytes": 2e6, "seconds": 8e-3}]) == (
+    assert fit_round_trip([{"bytes": 1e6, "seconds": 9e-3}, {"bytes": 2e6, "seconds": 8e-3}]) == (
         9e-3,
         0.0,
     )
@@ -94,3 +100,94 @@ def test_fsdp_round_trip_scales_with_the_hosts_share(tmp_path: Path) -> None:
     halved = replace(hw, compute_share_by_ranks={2: 0.5})
     assert halved.on_node(2).fsdp_round_trip(2) == pytest.approx((2 * LATENCY, 2 * PER_BYTE))
     assert hw.fsdp_round_trip(1) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+def test_tp_host_work_is_the_measured_block_cost_less_its_collectives(
+    tmp_path: Path, checkpointing: str
+) -> None:
+    """Per block and micro-batch: λ + T·d·4·r, a recomputing layout's extra forward at the forward's
+    share (4 of 8 collectives more), less the TP collectives the plan prices (α–β)."""
+    hw = cpu_profile(tmp_path)
+    parallel = ParallelConfig(tp=2, activation_checkpointing=checkpointing)
+    geo = Geometry(ModelConfig(preset="small"), parallel, TRAIN, "cpu")
+    by_dim = {p.dim: p for p in place(geo, hw, HARDWARE)}
+    comms = layer_comms(geo, by_dim)
+    measured = (TP_LATENCY + TP_PER_BYTE * geo.microbatch_tokens * geo.model.dim * 4) * (
+        1.5 if checkpointing == "full" else 1.0
+    )
+    expected = measured - comms.tp_forward - comms.tp_backward
+    assert 0 < expected < measured
+    assert tp_host_seconds(geo, hw, by_dim["tp"], comms) == pytest.approx(expected)
+    # nothing where TP was not measured, or where there is no TP
+    assert tp_host_seconds(geo, cpu_profile(tmp_path, tp=False), by_dim["tp"], comms) == 0
+    untp = Geometry(geo.model, ParallelConfig(dp_shard=2), TRAIN, "cpu")
+    untp_dims = {p.dim: p for p in place(untp, hw, HARDWARE)}
+    assert tp_host_seconds(untp, hw, untp_dims["tp"], layer_comms(untp, untp_dims)) == 0
+
+
+def test_tp_host_work_is_on_every_micro_batchs_critical_path(tmp_path: Path) -> None:
+    model = ModelConfig(preset="small")
+
+    def tp_s(profile: HardwareProfile) -> float:
+        plan = make_plan(model, ParallelConfig(tp=2), TRAIN, HARDWARE, CheckpointConfig(), profile=profile)
+        return plan.time_breakdown.exposed_comm_s["tp"]
+
+    hw = cpu_profile(tmp_path)
+    geo = Geometry(model, ParallelConfig(tp=2), TRAIN, "cpu")
+    by_dim = {p.dim: p for p in place(geo, hw, HARDWARE)}
+    per_block = tp_host_seconds(geo, hw, by_dim["tp"], layer_comms(geo, by_dim))
+    # 8 micro-batches (global 8, micro 1, no data parallelism) × 8 blocks
+    assert tp_s(hw) - tp_s(cpu_profile(tmp_path, tp=False)) == pytest.approx(8 * 8 * per_block)
+
+
+def test_block_elementwise_work_runs_at_the_measured_bandwidth_and_nothing_else_does(tmp_path: Path) -> None:
+    """Calibration's element-wise bandwidth prices the blocks' element-wise bytes; copies, the loss and
+    the optimizer stream at the memory bandwidth. The catalog takes HBM's for both."""
+    assert catalog_profile(get_chip("h100-sxm")).elementwise_bandwidth == get_chip("h100-sxm").hbm_bandwidth
+    fast = cpu_profile(tmp_path, hbm_bandwidth=20e9, elementwise_bandwidth=20e9)
+    slow = cpu_profile(tmp_path, hbm_bandwidth=20e9, elementwise_bandwidth=5e9)
+    assert slow.sources["elementwise_bandwidth"].startswith("calibrated")
+    geo = Geometry(ModelConfig(preset="small"), ParallelConfig(), TRAIN, "cpu")
+    fast_block, slow_block = block_seconds(geo, fast), block_seconds(geo, slow)
+    extra = elementwise_bytes(geo) * (1 / 5e9 - 1 / 20e9)
+    assert slow_block.forward - fast_block.forward == pytest.approx(extra)
+    assert slow_block.backward - fast_block.backward == pytest.approx(2 * extra)
+    assert optimizer_seconds(geo, slow) == optimizer_seconds(geo, fast)
+
+
+def test_the_tp_twin_has_one_ranks_projections() -> None:
+    """Calibration's unsplit twin of a TP block: 1/world of the heads (same head size) and hidden width,
+    so its matmuls are one TP rank's."""
+    cfg = ModelConfig(**PROBE_BLOCK)
+    block = TransformerBlock(cfg)
+    narrow_to_one_tp_rank(block, 4)
+    shapes = {name: tuple(p.shape) for name, p in block.named_parameters() if p.ndim == 2}
+    d, head, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    assert shapes == {
+        "attention.wq.weight": (cfg.n_heads * head // 4, d),
+        "attention.wk.weight": (cfg.n_kv_heads * head // 4, d),
+        "attention.wv.weight": (cfg.n_kv_heads * head // 4, d),
+        "attention.wo.weight": (d, cfg.n_heads * head // 4),
+        "feed_forward.w1.weight": (f // 4, d),
+        "feed_forward.w3.weight": (f // 4, d),
+        "feed_forward.w2.weight": (d, f // 4),
+    }
+    rope = rope_table(cfg.head_dim, 16, cfg.rope_theta)
+    assert block(torch.randn(2, 16, d), rope).shape == (2, 16, d)
+
+
+def test_bandwidths_scale_with_the_memory_share_and_compute_with_the_compute_share(tmp_path: Path) -> None:
+    """Two processes with a core each still share the memory channels: calibration measures both shares
+    and a plan for n processes per host scales each figure by its own."""
+    hw = replace(
+        cpu_profile(tmp_path, hbm_bandwidth=20e9, elementwise_bandwidth=6e9),
+        compute_share_by_ranks={2: 1.0},
+        memory_share_by_ranks={2: 0.7},
+    )
+    two = hw.on_node(2)
+    assert two.peak("fp32") == hw.peak("fp32")
+    assert (two.hbm_bandwidth, two.elementwise_bandwidth) == pytest.approx((14e9, 4.2e9))
+    four = hw.on_node(4)  # more processes than measured: each gets half of that again
+    assert four.peak("fp32") == pytest.approx(hw.peak("fp32") / 2)
+    assert four.elementwise_bandwidth == pytest.approx(6e9 * 0.35)

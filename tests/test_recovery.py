@@ -2,7 +2,8 @@
 
 One launch: one torchrun agent on 127.0.0.1 with two ranks that the spec places on two "nodes"
 (``chips_per_node: 1``), so each rank's peer copy is the other's; ``--max-restarts=2``; snapshots to
-host memory every step, to storage every 4 steps.
+host memory every step, to storage every 4 steps; warm restarts (``faults.warm_restart``): the
+restarted ranks are forked by a fork server that imported torch and the trainer once.
 
 1. rank 1 is SIGKILLed after step 6: torchrun restarts both ranks, and each restores from its own
    host's memory (the files in ``/dev/shm`` outlived the processes): at most one step lost.
@@ -13,7 +14,9 @@ host memory every step, to storage every 4 steps.
    both runs is freed.
 
 Each recovery records a row of the reliability report (tests/fault_report.py), with the time from the
-kill to training resumed. The rest runs without torchrun: the choice of step and tier.
+kill to training resumed (issue #17's goal: 3 s; measured, not asserted). The agent's output, each line
+with its time, is kept in ``agent.log`` next to the run for the timeline of a restart. The rest runs
+without torchrun: the choice of step and tier.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from deployments.spec import TrainingSpec
 from tests.fault_report import FaultRow, record
 from tests.test_faults import FINISH, Agent, curve, last_step, wait_for_line
 from tests.test_faults import SPEC as FAULTS_SPEC
-from trainer.agents import agent_workers, start_agent
+from trainer.agents import agent_workers, start_agent, worker_pid
 from trainer.checkpoint.memory import Inventory, memory_directory, newest_common_step
 from trainer.config import CheckpointConfig, HardwareConfig, JobConfig, ModelConfig
+from trainer.fork_server import ForkServer
 from trainer.job import resolve_job
 from trainer.launch import launch_env, torchrun_command
 from trainer.plan import plan_for_job
@@ -49,8 +53,9 @@ SPEC: dict[str, Any] = {
     "name": "recovery",
     "seed": 7,
     "checkpoint": {"interval": 4, "mode": "sync", "memory_interval": MEMORY_INTERVAL},
-    "faults": {"max_restarts": 2, "step_timeout_s": 60, "collective_timeout_s": 30},
+    "faults": {"max_restarts": 2, "step_timeout_s": 60, "collective_timeout_s": 30, "warm_restart": True},
 }
+RESUMED_GOAL_S = 3.0  # kill -9 → training resumed from memory, for a tiny model on CPU (issue #17)
 # Rank 1 is slowed a little in every attempt: a window to kill it between steps on a busy box.
 SLOW = {"TESSERA_FAULT_SLOW_RANK": "1", "TESSERA_FAULT_SLOW_S": "0.3"}
 
@@ -74,11 +79,12 @@ class Scenario:
 
 
 def rank_pid(agent: Agent, rank: int) -> int:
-    """The pid of the worker torchrun started as ``rank`` (read from its environment)."""
+    """The pid of the process training as ``rank``: torchrun's worker has RANK in its environment,
+    and with warm restarts it stands in for the process the fork server forked."""
     for pid in agent_workers(agent.proc.pid):
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         if f"RANK={rank}".encode() in environ:
-            return pid
+            return worker_pid(pid)
     pytest.fail(f"no worker with RANK={rank} under agent {agent.proc.pid}:\n{agent.log[-3000:]}")
 
 
@@ -103,6 +109,7 @@ def kill_rank_1(agent: Agent, run_dir: Path, times_resumed: int, lose_memory: Pa
     completed = last_step(run_dir)
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
+    agent.lines.append((killed_at, f"tessera test: SIGKILL rank 1 (pid {pid})\n"))
     deadline = time.monotonic() + WAIT_S
     while (
         len(resumes := [(at, line) for at, line in agent.lines if "resumed from step" in line])
@@ -119,8 +126,9 @@ def kill_rank_1(agent: Agent, run_dir: Path, times_resumed: int, lose_memory: Pa
 def record_recovery(scenario: Scenario, recovery: Recovery, fault: str, tier: str) -> None:
     """The recovery's row of the reliability report."""
     same_curve = curve(scenario.run_dir) == curve(scenario.reference_dir)
+    goal = "met" if recovery.resumed_s <= RESUMED_GOAL_S else "missed"
     row = FaultRow(
-        f"{fault} (restored from {tier})",
+        f"{fault} (restored from {tier}, warm restart; resumed ≤ {RESUMED_GOAL_S:.0f} s goal {goal})",
         "recovered",
         "node_failure",
         None,
@@ -142,8 +150,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     job_json.write_text(job.model_dump_json(indent=2))  # unresolved: the reference gets its own locations
     memory_dirs = [memory_directory(resolve_job(job, RunDir(d))) for d in (run_dir, reference_dir)]
     entry = [str(FINISH), str(job_json), str(run_dir), str(reference_dir)]
-    command = torchrun_command(job_json, run_dir, 2, max_restarts=2, run_id=job.name, entry=entry)
-    agent = Agent(start_agent(command, {**launch_env(job), **SLOW}, RunDir(run_dir)))
+    command = torchrun_command(
+        job_json,
+        run_dir,
+        2,
+        max_restarts=2,
+        run_id=job.name,
+        entry=entry,
+        warm_restart=job.faults.warm_restart,
+    )
+    env = {**launch_env(job), **SLOW}
+    server = ForkServer(run_dir, env)  # what run_agents starts for such a command
+    agent = Agent(start_agent(command, {**env, **server.env}, RunDir(run_dir)))
     try:
         wait_for_line([agent], "committed checkpoint")  # step 4's: storage has a step, memory a newer one
         wait_for_step(agent, run_dir, 6)
@@ -155,6 +173,10 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
         yield Scenario(run_dir, reference_dir, memory_dirs, own, peer, agent.log, agent.proc.returncode)
     finally:
         agent.kill()
+        server.stop()
+        started = agent.lines[0][0] if agent.lines else 0.0
+        lines = sorted(agent.lines)
+        (base / "agent.log").write_text("".join(f"+{at - started:8.3f} {line}" for at, line in lines))
 
 
 @pytest.mark.dist

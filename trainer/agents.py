@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.fork_client import COMM_PREFIX
 from trainer.rundir import RunDir
 
 STOP_GRACE_S = 30.0  # torchrun gives its workers as long to save a preempted step
@@ -25,7 +26,7 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
-def _terminate_with_parent() -> None:
+def terminate_with_parent() -> None:
     """In the child, before exec: SIGTERM when the thread that started it exits (Linux only)."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -45,7 +46,7 @@ def start_agent(cmd: list[str], env: dict[str, str], run_dir: RunDir) -> subproc
         text=True,
         bufsize=1,
         start_new_session=True,
-        preexec_fn=_terminate_with_parent,
+        preexec_fn=terminate_with_parent,
     )
     run_dir.path.mkdir(parents=True, exist_ok=True)
     with run_dir.agents.open("a") as record:
@@ -70,10 +71,27 @@ def agent_workers(pid: int) -> list[int]:
         return []
 
 
+def worker_pid(pid: int) -> int:
+    """The process that trains for torchrun's worker ``pid``: with warm restarts the worker torchrun
+    started is a stand-in (trainer.fork_client, named ``fork:PID`` once the fork server's child
+    runs), else ``pid`` itself."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        if not name.startswith(COMM_PREFIX):
+            return pid
+        forked = int(name.removeprefix(COMM_PREFIX))
+        parent = Path(f"/proc/{forked}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        server = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return pid
+    return forked if b"trainer.fork_server" in server else pid  # not a reused pid
+
+
 def kill_agent(pid: int) -> None:
     """SIGKILL an agent's group and each of its ranks' sessions at once: what a lost node looks like."""
     workers = agent_workers(pid)
-    for group in (pid, *workers):
+    forked = [forked for worker in workers if (forked := worker_pid(worker)) != worker]
+    for group in (pid, *workers, *forked):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
 

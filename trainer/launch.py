@@ -25,10 +25,12 @@ from trainer.agents import is_stopped, kill_agent, start_agent, stop_agent
 from trainer.backends import get_backend
 from trainer.config import JobConfig
 from trainer.failures import FailureKind, UserError, classify_exit, worker_exit_code
+from trainer.fork_server import ForkServer
 from trainer.rundir import RunDir
 
 LOG_TAIL_LINES = 200  # enough to hold torchrun's root-cause block and the ranks' last words
 POLL_S = 1.0
+FORK_CLIENT = "trainer.fork_client"
 
 
 def torchrun_command(
@@ -43,13 +45,16 @@ def torchrun_command(
     entry: Sequence[str] | None = None,
     min_nodes: int | None = None,
     replacement_wait_s: int = 60,
+    warm_restart: bool = False,
 ) -> list[str]:
     """argv for one torchrun agent; ``rdzv_endpoint`` (host:port) is required when ``nnodes > 1``.
 
     ``entry`` replaces what the workers run (default: ``-m trainer.train --spec JOB --run-dir DIR``).
     ``min_nodes`` makes the job elastic (``--nnodes=MIN:MAX``): a lost node is noticed after three missed
     heartbeats (``replacement_wait_s`` in all), then the survivors wait ``replacement_wait_s`` for a
-    replacement (torch's ``last_call_timeout``) before continuing without it.
+    replacement (torch's ``last_call_timeout``) before continuing without it. ``warm_restart`` runs the
+    entry through :mod:`trainer.fork_client`, forked by the host's fork server that :func:`run_agents`
+    starts for such commands (see :mod:`trainer.fork_server`).
     """
     cmd = [
         sys.executable,
@@ -76,6 +81,8 @@ def torchrun_command(
             cmd.append(f"--rdzv-conf=last_call_timeout={replacement_wait_s},keep_alive_interval={heartbeat}")
     if entry is None:
         entry = ["-m", "trainer.train", "--spec", str(job_json), "--run-dir", str(run_dir)]
+    if warm_restart:
+        entry = ["-m", FORK_CLIENT, *entry]
     return [*cmd, *entry]
 
 
@@ -159,12 +166,17 @@ def run_agents(
     failed. Every agent's output goes to ``echo``, since any of them may be the one left. The
     rendezvous store is hosted here, not in an agent, so that any agent may die and a returning one
     (started by whoever restores the capacity) finds it.
+
+    Commands whose workers run through :mod:`trainer.fork_client` (``faults.warm_restart``) get this
+    host's fork server, started first and stopped after the agents.
     """
     agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]] = []
     failed = None
     lost: set[int] = set()
     stopped_since: dict[int, float] = {}
     store = _host_rendezvous_store(commands) if elastic else None
+    server = ForkServer(run_dir.path, env) if any(FORK_CLIENT in command for command in commands) else None
+    env = {**env, **server.env} if server is not None else env
     try:
         for node, command in enumerate(commands):
             proc = start_agent(command, env, run_dir)
@@ -195,6 +207,8 @@ def run_agents(
         for proc, _, reader in agents:
             stop_agent(proc)
             reader.join(timeout=5)
+        if server is not None:
+            server.stop()
         del store
     if failed is None:
         return LaunchResult(0, 0, "ok", "")

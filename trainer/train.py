@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,9 @@ from trainer.step_hooks import after_optimizer_step
 from trainer.telemetry import gather_host_times, peak_memory_bytes, straggler_fields
 from trainer.watchdog import StepWatchdog
 
+if TYPE_CHECKING:
+    from trainer.replica_ft import ReplicaGroup
+
 log = logging.getLogger("tessera.train")
 
 
@@ -90,6 +94,7 @@ class Session:
     memory: HostMemoryTier | None  # the in-memory tier, when checkpoint.memory_interval is not 'off'
     faults: FaultInjector
     preemption: PreemptionWatch
+    replicas: ReplicaGroup | None = None  # the other replica groups, with faults.replica_fault_tolerance
 
 
 def open_session(job: JobConfig) -> Session:
@@ -98,6 +103,12 @@ def open_session(job: JobConfig) -> Session:
     backend.require()
     backend.init_process_group(job.faults.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
+    replicas = None
+    if job.faults.replica_fault_tolerance:  # this process group is one replica group; torchft links them
+        from trainer.replica_ft import ReplicaGroup
+
+        replicas = ReplicaGroup(job)
+        job = replicas.job
     spec_job, job = job, fit_to_world(job, world)
     if job is not spec_job and rank == 0:
         log.warning("ELASTIC: %s", describe_resize(spec_job, job))
@@ -105,7 +116,10 @@ def open_session(job: JobConfig) -> Session:
     torch.manual_seed(job.seed)
     model = build_parallel_model(job, device)
     optimizers = [build_optimizer(part, job.optimizer) for part in model.parts]
-    loader = build_loader(job, model.dp_rank, model.dp_size)
+    dp_rank, dp_size = model.dp_rank, model.dp_size
+    if replicas is not None:
+        dp_rank, dp_size = replicas.data_shard(dp_rank, dp_size)
+    loader = build_loader(job, dp_rank, dp_size)
     # Model, optimizer, RNG and loader position: everything a bitwise-identical resume needs. The
     # learning-rate schedule is a function of the step, rebuilt from the checkpoint's step.
     state: dict[str, Stateful] = {
@@ -135,9 +149,8 @@ def open_session(job: JobConfig) -> Session:
             job.hardware.chips_per_node,
             job.faults.collective_timeout_s,
         )
-    return Session(
-        job, rank, device, model, optimizers, loader, state, ckpt, memory, faults, PreemptionWatch(device)
-    )
+    watch = PreemptionWatch(device)
+    return Session(job, rank, device, model, optimizers, loader, state, ckpt, memory, faults, watch, replicas)
 
 
 def restore(session: Session) -> tuple[int, str]:
@@ -155,6 +168,10 @@ def restore(session: Session) -> tuple[int, str]:
         step, source = (manifest.step, manifest.url) if manifest is not None else (0, "")
     if session.memory is not None:
         session.memory.discard_after(step)  # snapshots past it belong to the abandoned timeline
+    if session.replicas is not None:  # a live peer replica ahead of this one: heal from it
+        own, step = step, session.replicas.join(step, session.state["app"], session.loader)
+        if step != own:
+            source = "healed from a live replica"
     return step, source
 
 
@@ -181,6 +198,8 @@ def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
         goodput.checkpoint(None, closing, time.time())  # waiting for the save in flight
         goodput.close()
         session.loader.close()
+        if session.replicas is not None:
+            session.replicas.close()
     dist.barrier()  # rank 0 commits asynchronously: after this, every rank sees the final checkpoint
     if session.memory is not None:
         session.memory.discard()  # the final checkpoint is stored: free the host memory
@@ -200,7 +219,7 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
     schedulers = [
         build_scheduler(opt, job.optimizer, job.train.steps, steps_done=start) for opt in session.optimizers
     ]
-    n_micro = job.train.global_batch_size // (model.dp_size * job.train.micro_batch_size)
+    n_micro = session.loader.local_batch // job.train.micro_batch_size
     telemetry = StepTelemetry(job, session.device, session.rank)
     loss_value = None
     metrics = MetricsWriter(
@@ -221,6 +240,10 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
             host_times = telemetry.host_times(began) if logged else []
             clock.lap("telemetry")
             loss = _forward_backward(model, inputs, targets, n_micro, first=step == start + 1)
+            while session.replicas is not None and not session.replicas.average(model.parts, loss):
+                for optimizer in session.optimizers:  # a replica was lost mid-step: this batch again
+                    optimizer.zero_grad(set_to_none=True)
+                loss = _forward_backward(model, inputs, targets, n_micro, first=False)
             loss_value = _finite(session.faults.loss(step, loss).item(), step, job)
             clock.lap("forward_backward")
             grad_norm = model.clip_grad_norm_(job.optimizer.grad_clip or math.inf).item()  # inf: never clip
@@ -236,6 +259,7 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
                 metrics.write(
                     telemetry.record(step, loss_value, lr, grad_norm, time.perf_counter() - began, host_times)
                     | telemetry.tokens_by_source(session.loader.source_samples())
+                    | ({"replicas": session.replicas.participants()} if session.replicas else {})
                     | clock.seconds
                 )
             # A checkpoint write may legitimately outlast a step; the collective timeout bounds it.

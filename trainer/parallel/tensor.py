@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.model import Transformer
+from trainer.model import Transformer, TransformerBlock
 from trainer.moe import MoE
 
 
@@ -37,7 +37,14 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
     if model.cfg.tie_embeddings:
         # parallelize_module distributed the two uses separately; both are Shard(0) of [vocab, dim].
         model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
+        apply_tp_block(block, tp_mesh)
+    return model
 
+
+def apply_tp_block(block: TransformerBlock, tp_mesh: DeviceMesh) -> TransformerBlock:
+    """Shard one block over tp_mesh in place: it takes and returns its rank's sequence shard
+    (``tessera calibrate`` times a lone block this way)."""
     block_plan = {
         "attention_norm": SequenceParallel(),
         # The second input (the RoPE table) is a plain tensor every rank holds whole.
@@ -67,7 +74,6 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
             desired_output_layouts=(Shard(1),),
         )
     }
-    for block in model.layers.values():
-        ffn_plan = moe_plan if isinstance(block.feed_forward, MoE) else dense_plan
-        parallelize_module(block, tp_mesh, {**block_plan, **ffn_plan})
-    return model
+    ffn_plan = moe_plan if isinstance(block.feed_forward, MoE) else dense_plan
+    parallelize_module(block, tp_mesh, {**block_plan, **ffn_plan})
+    return block

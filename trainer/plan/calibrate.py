@@ -1,13 +1,22 @@
 """``tessera calibrate``: measure this machine's figures for the time model and write a chip profile.
 
-Microbenchmarks on whatever backend the process has (plain torch, no Prefect): matmul throughput over
-a grid of shapes (the peak and the knee of ``kernels.gemm_efficiency``), memory bandwidth (a large
-copy), per-op dispatch cost, fused attention's efficiency, and collective α and β per process-group
-size (all-gathers of growing buffers over gloo, one group per size, via torch.multiprocessing), the
-share of the host each of those processes gets when all compute at once, and FSDP2's round trip of
-one transformer block (``fully_shard``: its gathers, reduce-scatter and own work around them) at two
-block sizes. On CPU each figure is per process with one thread, as torchrun runs the trainer's
-workers (OMP_NUM_THREADS=1).
+Microbenchmarks on whatever backend the process has (plain torch, no Prefect):
+
+- matmul throughput over a grid of shapes (the peak and the knee of ``kernels.gemm_efficiency``),
+  memory bandwidth (a large copy), per-op dispatch cost and fused attention's efficiency;
+- a real transformer block: what its matmuls reach of the peak, and the bandwidth its element-wise
+  work reaches;
+- per process-group size (one gloo group each, via torch.multiprocessing): collective α and β
+  (all-gathers of growing buffers), the share of the host's compute and of its memory bandwidth each
+  process gets when all run at once, FSDP2's round trip of one transformer block (``fully_shard``: its
+  gathers, reduce-scatter and own work around them) at two block sizes, and a tensor-parallel block's
+  cost over its unsplit twin at two token counts.
+
+On CPU each figure is per process with one thread, as torchrun runs the trainer's workers
+(OMP_NUM_THREADS=1).
+
+The probe block (``PROBE_BLOCK``) is shaped unlike the ``tiny``, ``small`` and benchmark models, so a
+plan for those extrapolates from it rather than replays it.
 
 The JSON is what ``trainer.plan.profile.load_profile`` reads.
 """
@@ -15,6 +24,7 @@ The JSON is what ``trainer.plan.profile.load_profile`` reads.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import socket
@@ -22,12 +32,21 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from trainer.backends.chips import get_chip
+from trainer.config import ModelConfig, ParallelConfig, TrainConfig
+from trainer.plan.compute import block_matmuls, block_seconds, elementwise_bytes
+from trainer.plan.kernels import gemm_seconds
+from trainer.plan.layout import Geometry
+from trainer.plan.profile import HardwareProfile, catalog_profile
 
 GEMM_SIZES = (32, 128, 512, 1024)  # each of m, n, k; the largest square sets the peak
 COLLECTIVE_BYTES = (2**10, 2**14, 2**18, 2**20, 2**22)
@@ -38,9 +57,19 @@ SHARE_SIZE, SHARE_REPEATS, SHARE_WINDOWS = (
     5,
 )  # the matmul every process runs at once to measure its share
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP32_BYTES = 4
+COPY_ELEMENTS, COPY_REPEATS = 16 * 2**20, 5  # a 64 MiB fp32 copy: far past any cache
 # Units FSDP2 shards in the round-trip microbenchmark: the ``tiny`` and ``small`` presets' transformer
-# blocks (0.8 and 11.8 MB of fp32 parameters in 9 tensors), run on 8 tokens.
-FSDP_UNITS, FSDP_TOKENS, FSDP_REPEATS = ("tiny", "small"), 8, 7
+# blocks (0.8 and 11.8 MB of fp32 parameters in 9 tensors), run on two sequences of a training length
+# (each rank's compute between its collectives lasts as long as in training, and so do their waits).
+FSDP_UNITS, FSDP_BATCH, FSDP_SEQ, REPEATS = ("tiny", "small"), 2, 128, 7
+# The block whose matmuls and element-wise work calibrate the compute figures, and which tensor
+# parallelism splits (its heads, key/value heads and hidden width divide by 2 and 4).
+PROBE_BLOCK: dict[str, Any] = dict(
+    preset="custom", n_layers=1, dim=640, n_heads=8, n_kv_heads=4, ffn_dim=1792, vocab_size=8, rope_theta=1e4
+)
+PROBE_BATCH, PROBE_SEQ = 2, 256
+TP_SEQ, TP_BATCHES = 128, (2, 8)  # the two points of the TP line (sequences of a training length)
 
 
 def best_seconds(fn: Callable[[], object], repeats: int = 5, min_time: float = 0.02) -> float:
@@ -84,7 +113,7 @@ def fit_knee(rows: list[dict[str, float]], peak: float) -> float:
 
 def memory_bandwidth() -> float:
     """Bytes/s of a 64 MiB copy (read + write), the streaming rate element-wise kernels see."""
-    source = torch.randn(16 * 2**20)
+    source = torch.randn(COPY_ELEMENTS)
     target = torch.empty_like(source)
     return 2 * source.numel() * 4 / best_seconds(lambda: target.copy_(source))
 
@@ -92,7 +121,6 @@ def memory_bandwidth() -> float:
 def kernel_overhead() -> float:
     """Seconds of host work per kernel: one tiny Transformer block (trainer/model.py, dim 8, one token)
     forward and backward, whose device work is nil, over the kernels the planner counts for it."""
-    from trainer.config import ModelConfig
     from trainer.model import TransformerBlock, rope_table
     from trainer.plan.compute import BACKWARD_KERNELS, BLOCK_KERNELS
 
@@ -117,6 +145,51 @@ def attention_efficiency(peak: float, knee: float) -> float:
     return flops / best_seconds(step) / (peak * seq / (seq + knee))
 
 
+def _probe_geometry(batch: int, seq: int, cfg: ModelConfig | None = None) -> Geometry:
+    """The planner's view of one block of ``cfg`` (default: the probe block) on one fp32 process."""
+    model = cfg or ModelConfig(**PROBE_BLOCK)
+    train = TrainConfig(steps=1, seq_len=seq, micro_batch_size=batch, global_batch_size=batch)
+    return Geometry(model=model, parallel=ParallelConfig(), train=train, accelerator="cpu")
+
+
+def _block_input(
+    cfg: ModelConfig, batch: int, seq: int
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    from trainer.model import TransformerBlock, rope_table
+
+    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)  # a block's input needs its gradient too
+    return TransformerBlock(cfg), x, rope_table(cfg.head_dim, seq, cfg.rope_theta)
+
+
+def block_figures(hw: HardwareProfile) -> dict[str, float]:
+    """What a real block reaches on this machine, as the planner's figures.
+
+    ``gemm_efficiency`` (η_max): the probe block's matmuls, each in the three orientations forward and
+    backward run (x·Wᵀ, g·W, gᵀ·x), timed alone, against their time at the grid's peak and knee.
+    ``elementwise_bandwidth``: the bytes the planner counts for the block's element-wise work forward
+    and backward (compute.elementwise_bytes, ×3), over what the whole block's forward + backward takes
+    beyond the planner's price for everything else in it (matmuls at that η, attention, launches). So the
+    planner's block equals the measured one for the probe's shape; other shapes extrapolate from it.
+    Never faster than a plain copy (``hw.hbm_bandwidth``).
+    """
+    geo = _probe_geometry(PROBE_BATCH, PROBE_SEQ)
+    ideal = measured = 0.0
+    for m, n, k in block_matmuls(geo):
+        x, w, g = torch.randn(int(m), int(k)), torch.randn(int(n), int(k)), torch.randn(int(m), int(n))
+        measured += best_seconds(lambda x=x, w=w: torch.nn.functional.linear(x, w), repeats=3)
+        measured += best_seconds(lambda g=g, w=w: g @ w, repeats=3)
+        measured += best_seconds(lambda g=g, x=x: g.t() @ x, repeats=3)
+        ideal += sum(gemm_seconds(*shape, hw, "fp32") for shape in ((m, n, k), (m, k, n), (k, n, m)))
+    efficiency = hw.gemm_efficiency * ideal / measured
+    block, x, rope = _block_input(geo.model, PROBE_BATCH, PROBE_SEQ)
+    whole = best_seconds(lambda: block(x, rope).sum().backward(), repeats=3)
+    rest = block_seconds(geo, replace(hw, gemm_efficiency=efficiency, elementwise_bandwidth=math.inf))
+    elementwise = 3 * elementwise_bytes(geo)
+    spare = whole - rest.forward - rest.backward
+    bandwidth = elementwise / spare if spare > elementwise / hw.hbm_bandwidth else hw.hbm_bandwidth
+    return {"gemm_efficiency": efficiency, "elementwise_bandwidth": bandwidth}
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -134,31 +207,19 @@ def _best(collective: Callable[[], object]) -> float:
     return min(samples[1:])
 
 
-def _compute_share_seconds(world: int) -> float:
-    """Seconds per matmul when every rank computes at once: the slowest rank's (a step waits for it),
-    in the best of a few windows (the host's own share, not a neighbour's burst)."""
-    a, b = torch.randn(SHARE_SIZE, SHARE_SIZE), torch.randn(SHARE_SIZE, SHARE_SIZE)
+def _concurrent_seconds(work: Callable[[], object], repeats: int) -> float:
+    """Seconds per call of ``work`` when every rank runs it at once: the slowest rank's (a step waits
+    for it), in the best of a few windows (the host's own share, not a neighbour's burst)."""
     windows = []
     for _ in range(SHARE_WINDOWS):
         dist.barrier()
         began = time.perf_counter()
-        for _ in range(SHARE_REPEATS):
-            a @ b
+        for _ in range(repeats):
+            work()
         slowest = torch.tensor([time.perf_counter() - began], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        windows.append(slowest.item() / SHARE_REPEATS)
+        windows.append(slowest.item() / repeats)
     return min(windows)
-
-
-def _round_trip_seconds(block: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor) -> float:
-    """Median process CPU seconds of forward + backward (every rank runs the same count)."""
-    samples = []
-    for _ in range(FSDP_REPEATS):
-        dist.barrier()
-        began = time.process_time()  # CPU, not wall: the gloo thread's work counts, a neighbour's does not
-        block(x, rope).sum().backward()
-        samples.append(time.process_time() - began)
-    return statistics.median(samples[2:])
 
 
 def _fsdp_round_trips() -> list[dict[str, float]]:
@@ -167,37 +228,94 @@ def _fsdp_round_trips() -> list[dict[str, float]]:
     reduce-scatter) less the same block unsharded, for each of ``FSDP_UNITS``."""
     from torch.distributed.fsdp import fully_shard
 
-    from trainer.config import ModelConfig
     from trainer.model import TransformerBlock, rope_table
 
     rows = []
     for preset in FSDP_UNITS:
         cfg = ModelConfig(preset=preset)
         plain, sharded = TransformerBlock(cfg), fully_shard(TransformerBlock(cfg))
-        rope = rope_table(cfg.head_dim, FSDP_TOKENS, cfg.rope_theta)
-        x = torch.randn(1, FSDP_TOKENS, cfg.dim)
+        rope = rope_table(cfg.head_dim, FSDP_SEQ, cfg.rope_theta)
+        x = torch.randn(FSDP_BATCH, FSDP_SEQ, cfg.dim)
         rows.append(
             {
-                "param_bytes": 4 * sum(p.numel() for p in plain.parameters()),
-                "seconds": _round_trip_seconds(sharded, x, rope) - _round_trip_seconds(plain, x, rope),
+                "bytes": 4 * sum(p.numel() for p in plain.parameters()),
+                "seconds": _wall_round_trip_seconds(sharded, x, rope)
+                - _wall_round_trip_seconds(plain, x, rope),
+            }
+        )
+    return rows
+
+
+def _wall_round_trip_seconds(block: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor) -> float:
+    """Median wall seconds of forward + backward, every rank starting together (the same count on each):
+    ranks wait for each other at every collective of an FSDP unit or a TP block, and that wait is part
+    of its cost."""
+    samples = []
+    for _ in range(REPEATS):
+        dist.barrier()
+        began = time.perf_counter()
+        out = block(x, rope)
+        (out.to_local() if isinstance(out, DTensor) else out).sum().backward()
+        samples.append(time.perf_counter() - began)
+    return statistics.median(samples[2:])
+
+
+def narrow_to_one_tp_rank(block: torch.nn.Module, world: int) -> None:
+    """Give ``block`` one TP rank's projections: 1/world of the heads (same head size) and hidden width."""
+    for name, module in list(block.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            out_features, in_features = module.out_features, module.in_features
+            if name.endswith(("wo", "w2")):
+                in_features //= world
+            else:
+                out_features //= world
+            parent, _, attr = name.rpartition(".")
+            setattr(block.get_submodule(parent), attr, torch.nn.Linear(in_features, out_features, bias=False))
+
+
+def _tp_round_trips(world: int) -> list[dict[str, float]]:
+    """The probe block under tensor + sequence parallelism over this group (trainer/parallel/tensor.py:
+    DTensor, two all-gathers and two reduce-scatters each way) less its unsplit twin (1/world of the
+    heads and hidden width: the same local matmuls) on the same tokens, for each of ``TP_BATCHES``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel.tensor import apply_tp_block
+
+    full = ModelConfig(**PROBE_BLOCK)
+    mesh = init_device_mesh("cpu", (world,))
+    rows = []
+    for batch in TP_BATCHES:
+        plain, x, rope = _block_input(full, batch, TP_SEQ)
+        narrow_to_one_tp_rank(plain, world)
+        split, _, _ = _block_input(full, batch, TP_SEQ)
+        apply_tp_block(split, mesh)
+        local = torch.randn(batch, TP_SEQ // world, full.dim, requires_grad=True)  # this rank's shard
+        rows.append(
+            {
+                "bytes": FP32_BYTES * batch * TP_SEQ * full.dim,  # the activation a TP collective assembles
+                "seconds": _wall_round_trip_seconds(split, local, rope)
+                - _wall_round_trip_seconds(plain, x, rope),
             }
         )
     return rows
 
 
 def fit_round_trip(rows: list[dict[str, float]]) -> tuple[float, float]:
-    """(λ, r) of t = λ + P·r through the smallest and largest unit measured (P: parameter bytes),
-    neither below zero (a noisy small unit can fall under the line)."""
-    small, large = min(rows, key=lambda r: r["param_bytes"]), max(rows, key=lambda r: r["param_bytes"])
-    per_byte = max(0.0, (large["seconds"] - small["seconds"]) / (large["param_bytes"] - small["param_bytes"]))
-    return max(0.0, small["seconds"] - per_byte * small["param_bytes"]), per_byte
+    """(λ, r) of t = λ + P·r through the smallest and largest point measured (P: the bytes the cost
+    grows with), neither below zero (a noisy small point can fall under the line)."""
+    small, large = min(rows, key=lambda r: r["bytes"]), max(rows, key=lambda r: r["bytes"])
+    per_byte = max(0.0, (large["seconds"] - small["seconds"]) / (large["bytes"] - small["bytes"]))
+    return max(0.0, small["seconds"] - per_byte * small["bytes"]), per_byte
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    gemm_s = _compute_share_seconds(world)
+    a, b = torch.randn(SHARE_SIZE, SHARE_SIZE), torch.randn(SHARE_SIZE, SHARE_SIZE)
+    gemm_s = _concurrent_seconds(lambda: a @ b, SHARE_REPEATS)
+    source, target = torch.randn(COPY_ELEMENTS), torch.empty(COPY_ELEMENTS)
+    copy_s = _concurrent_seconds(lambda: target.copy_(source), COPY_REPEATS)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     timings = []
     for size in COLLECTIVE_BYTES:
@@ -210,10 +328,13 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     reduce_scatter = _best(lambda: dist.reduce_scatter_tensor(shard, full)) / timings[-1]["seconds"]
     all_reduce = _best(lambda: dist.all_reduce(full)) / (2 * timings[-1]["seconds"])
     fsdp = _fsdp_round_trips()
+    tp = _tp_round_trips(world)
     if rank == 0:
         result = {
             "gemm_flops_per_s": 2 * SHARE_SIZE**3 / gemm_s,
+            "copy_bytes_per_s": 2 * FP32_BYTES * COPY_ELEMENTS / copy_s,
             "fsdp": fsdp,
+            "tp": tp,
             "timings": timings,
             "reduce_scatter_factor": reduce_scatter,
             "all_reduce_factor": all_reduce,
@@ -222,12 +343,15 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def collective_link(world: int, alone_flops: float) -> dict[str, Any]:
+def collective_link(world: int, alone_flops: float, alone_bandwidth: float) -> dict[str, Any]:
     """α from the smallest all-gather (all latency: t = (n−1)·α), β from the largest after removing it:
     t = (n−1)·α + S·(n−1)/n / B (two points: a shared host's timings are too noisy for a fit); and the
     share of one process's matmul rate each of ``world`` processes gets when all compute at once
-    (``alone_flops``: the same matmul in one process); and FSDP2's round trip of a unit as
-    t = λ + P·r over its fp32 parameter bytes P, through the two units measured."""
+    (``alone_flops``: the same matmul in one process), and of its memory bandwidth (a copy, against
+    ``alone_bandwidth``: the memory sockets and caches are shared, so n streaming processes each get
+    less, even with a core each); FSDP2's round trip of a unit as t = λ + P·r over
+    its fp32 parameter bytes P, through the two units measured; and a TP block's cost over its unsplit
+    twin as t = λ + A·r over the fp32 bytes A of the activation its collectives assemble."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "timings.json")
         mp.spawn(_collective_worker, args=(world, _free_port(), out), nprocs=world, join=True)
@@ -238,8 +362,10 @@ def collective_link(world: int, alone_flops: float) -> dict[str, Any]:
     moved = largest["bytes"] * (world - 1) / world
     bandwidth = moved / max(largest["seconds"] - (world - 1) * latency, 1e-9)
     fsdp_latency, fsdp_per_byte = fit_round_trip(result["fsdp"])
+    tp_latency, tp_per_byte = fit_round_trip(result["tp"])
     cores = os.cpu_count() or world
     share = min(1.0, cores / world, result["gemm_flops_per_s"] / alone_flops)  # never above its cores
+    memory_share = min(1.0, cores / world, result["copy_bytes_per_s"] / alone_bandwidth)
     return {
         "ranks": world,
         "latency_s": latency,
@@ -247,10 +373,14 @@ def collective_link(world: int, alone_flops: float) -> dict[str, Any]:
         "reduce_scatter_factor": result["reduce_scatter_factor"],
         "all_reduce_factor": result["all_reduce_factor"],
         "compute_share": share,
+        "memory_share": memory_share,
         "fsdp_latency_s": fsdp_latency,
         "fsdp_s_per_byte": fsdp_per_byte,
+        "tp_latency_s": tp_latency,
+        "tp_s_per_byte": tp_per_byte,
         "raw": timings,
         "raw_fsdp": result["fsdp"],
+        "raw_tp": result["tp"],
     }
 
 
@@ -262,6 +392,18 @@ def measure(max_ranks: int = 4) -> dict[str, Any]:
     knee = fit_knee(grids["fp32"], peaks["fp32"])
     ranks = [n for n in (2, 4, 8) if n <= max_ranks]
     alone = next(r["flops_per_s"] for r in grids["fp32"] if r["m"] == r["n"] == r["k"] == SHARE_SIZE)
+    bandwidth = memory_bandwidth()
+    kernels = {
+        "gemm_efficiency": 1.0,  # of the grid's best; block_figures measures what a block's matmuls reach
+        "gemm_knee": knee,
+        "attention_efficiency": attention_efficiency(peaks["fp32"], knee),
+        "hbm_bandwidth": bandwidth,
+        "kernel_overhead_s": kernel_overhead(),
+    }
+    cpu = catalog_profile(get_chip("cpu"))
+    probe = replace(
+        cpu, peak_flops={**cpu.peak_flops, **peaks}, **kernels, elementwise_bandwidth=kernels["hbm_bandwidth"]
+    )
     return {
         "chip": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().lower(),
         "host": platform.node(),
@@ -269,12 +411,9 @@ def measure(max_ranks: int = 4) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
         "peak_flops": peaks,
-        "gemm_efficiency": 1.0,  # the peak above is the measured best, so η_max is 1 by construction
-        "gemm_knee": knee,
-        "attention_efficiency": attention_efficiency(peaks["fp32"], knee),
-        "hbm_bandwidth": memory_bandwidth(),
-        "kernel_overhead_s": kernel_overhead(),
-        "collectives": [collective_link(n, alone) for n in ranks],
+        **kernels,
+        **block_figures(probe),
+        "collectives": [collective_link(n, alone, bandwidth) for n in ranks],
         "gemm_grid": grids,
     }
 

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.plan.kernels import attention_seconds, gemm_seconds, memory_seconds, with_launches
+from trainer.plan.kernels import (
+    attention_seconds,
+    elementwise_seconds,
+    gemm_seconds,
+    memory_seconds,
+    with_launches,
+)
 from trainer.plan.layout import Geometry
 from trainer.plan.params import active_ffn_dim
 from trainer.plan.profile import HardwareProfile, MatmulPrecision
@@ -110,7 +116,7 @@ def block_seconds(geo: Geometry, hw: HardwareProfile) -> BlockSeconds:
         gemm_seconds(m, k, n, hw, precision) for (m, n, k), precision in shapes
     )
     attention = block_attention_seconds(geo, hw)
-    elementwise = memory_seconds(elementwise_bytes(geo), hw)
+    elementwise = elementwise_seconds(elementwise_bytes(geo), hw)
     copies = memory_seconds(fsdp_copy_bytes(geo), hw)
     kernels = BLOCK_KERNELS[geo.parallel.compile]
     forward = with_launches(matmuls + attention + elementwise + copies / 2, kernels, hw)

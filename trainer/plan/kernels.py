@@ -55,8 +55,16 @@ def attention_seconds(
 
 
 def memory_seconds(nbytes: float, hw: HardwareProfile) -> float:
-    """Memory-bound work (norms, activations, residuals, casts, the optimizer) at HBM bandwidth."""
+    """Memory-bound streams (copies, casts, the loss, the optimizer) at HBM bandwidth."""
     return nbytes / hw.hbm_bandwidth
+
+
+def elementwise_seconds(nbytes: float, hw: HardwareProfile) -> float:
+    """A block's element-wise work (norms, RoPE, activations, residuals), counted in the bytes of
+    ``compute.elementwise_bytes``, at the bandwidth such work reaches: HBM's on accelerators; on a
+    calibrated host, what the probe block's measured time implies (eager kernels on small tensors,
+    and the layout copies around attention, run well below a plain copy)."""
+    return nbytes / hw.elementwise_bandwidth
 
 
 def with_launches(device_s: float, kernels: float, hw: HardwareProfile) -> float:

@@ -24,8 +24,13 @@ CALIBRATED_FIGURES = (
     "gemm_knee",
     "attention_efficiency",
     "hbm_bandwidth",
+    "elementwise_bandwidth",
     "kernel_overhead_s",
 )
+
+
+# Per-layout host costs only calibration measures (timing.fsdp_host_seconds, timing.tp_host_seconds).
+HOST_TERMS = ("fsdp_round_trip_by_ranks", "tp_round_trip_by_ranks")
 
 
 @dataclass(frozen=True)
@@ -50,15 +55,24 @@ class HardwareProfile:
     gemm_knee: float
     attention_efficiency: float
     hbm_bandwidth: float
+    # What a block's element-wise work reaches (kernels.elementwise_seconds): HBM's on accelerators;
+    # measured on a real block by ``tessera calibrate``.
+    elementwise_bandwidth: float
     kernel_overhead_s: float
     links: dict[Domain, Link]
     # Measured links by process-group size (calibrated profiles): the α–β the nearest size measured.
     links_by_ranks: dict[int, Link] = field(default_factory=dict)
     # Calibrated CPU hosts: the share of one process's compute each gets when n run at once.
     compute_share_by_ranks: dict[int, float] = field(default_factory=dict)
+    # ... and the share of its memory bandwidth (caches and memory channels are shared even when cores
+    # are not).
+    memory_share_by_ranks: dict[int, float] = field(default_factory=dict)
     # Calibrated hosts: FSDP2's measured round trip of one unit, (latency s, s per fp32 parameter byte),
     # by process-group size (see timing.fsdp_host_seconds).
     fsdp_round_trip_by_ranks: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # Calibrated hosts: a tensor-parallel block's measured cost over its unsplit twin, (latency s, s per
+    # fp32 activation byte), by process-group size (see timing.tp_host_seconds).
+    tp_round_trip_by_ranks: dict[int, tuple[float, float]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -68,21 +82,21 @@ class HardwareProfile:
 
     def on_node(self, processes: int) -> HardwareProfile:
         """This profile for ``processes`` per host: where calibration measured how much of the host
-        each of n busy processes gets (CPU: cores, and whatever else runs there), scale the compute,
-        bandwidth, dispatch rate and FSDP round trip by the share measured for the nearest n."""
+        each of n busy processes gets (CPU: cores, memory bandwidth, and whatever else runs there),
+        scale the compute, dispatch rate and FSDP and TP round trips by the compute share measured for
+        the nearest n, and the bandwidths by the memory share."""
         if processes == 1 or not self.compute_share_by_ranks:
             return self
-        nearest = min(self.compute_share_by_ranks, key=lambda n: (abs(n - processes), -n))
-        share = self.compute_share_by_ranks[nearest] * min(1.0, nearest / processes)
+        share = _share(self.compute_share_by_ranks, processes)
+        memory = _share(self.memory_share_by_ranks, processes) if self.memory_share_by_ranks else share
         return replace(
             self,
             peak_flops={name: flops * share for name, flops in self.peak_flops.items()},
-            hbm_bandwidth=self.hbm_bandwidth * share,
+            hbm_bandwidth=self.hbm_bandwidth * memory,
+            elementwise_bandwidth=self.elementwise_bandwidth * memory,
             kernel_overhead_s=self.kernel_overhead_s / share,
-            fsdp_round_trip_by_ranks={
-                n: (latency / share, per_byte / share)
-                for n, (latency, per_byte) in self.fsdp_round_trip_by_ranks.items()
-            },
+            fsdp_round_trip_by_ranks=_slowed(self.fsdp_round_trip_by_ranks, share),
+            tp_round_trip_by_ranks=_slowed(self.tp_round_trip_by_ranks, share),
         )
 
     def peak(self, precision: MatmulPrecision) -> float:
@@ -91,17 +105,34 @@ class HardwareProfile:
     def fsdp_round_trip(self, ranks: int) -> tuple[float, float]:
         """(latency s, s per fp32 parameter byte) of FSDP2's measured round trip for the nearest group
         size calibrated; (0, 0) where none was (accelerators: see timing.fsdp_host_seconds)."""
-        if ranks == 1 or not self.fsdp_round_trip_by_ranks:
-            return 0.0, 0.0
-        return self.fsdp_round_trip_by_ranks[
-            min(self.fsdp_round_trip_by_ranks, key=lambda n: (abs(n - ranks), -n))
-        ]
+        return _nearest(self.fsdp_round_trip_by_ranks, ranks)
+
+    def tp_round_trip(self, ranks: int) -> tuple[float, float]:
+        """(latency s, s per fp32 activation byte) of a TP block's measured cost for the nearest group
+        size calibrated; (0, 0) where none was (see timing.tp_host_seconds)."""
+        return _nearest(self.tp_round_trip_by_ranks, ranks)
 
     def link(self, domain: Domain, ranks: int) -> Link:
         if self.links_by_ranks and domain == "intra":
             nearest = min(self.links_by_ranks, key=lambda n: (abs(n - ranks), -n))
             return self.links_by_ranks[nearest]
         return self.links[domain]
+
+
+def _share(by_ranks: dict[int, float], processes: int) -> float:
+    """The share measured for the nearest group size, less where more processes than that share it."""
+    nearest = min(by_ranks, key=lambda n: (abs(n - processes), -n))
+    return by_ranks[nearest] * min(1.0, nearest / processes)
+
+
+def _nearest(by_ranks: dict[int, tuple[float, float]], ranks: int) -> tuple[float, float]:
+    if ranks == 1 or not by_ranks:
+        return 0.0, 0.0
+    return by_ranks[min(by_ranks, key=lambda n: (abs(n - ranks), -n))]
+
+
+def _slowed(by_ranks: dict[int, tuple[float, float]], share: float) -> dict[int, tuple[float, float]]:
+    return {n: (latency / share, per_byte / share) for n, (latency, per_byte) in by_ranks.items()}
 
 
 def catalog_profile(chip: Chip) -> HardwareProfile:
@@ -118,12 +149,16 @@ def catalog_profile(chip: Chip) -> HardwareProfile:
         gemm_knee=chip.gemm_knee,
         attention_efficiency=chip.attention_efficiency,
         hbm_bandwidth=chip.hbm_bandwidth,
+        elementwise_bandwidth=chip.hbm_bandwidth,
         kernel_overhead_s=chip.kernel_overhead_s,
         links={
             "intra": Link(chip.intra_latency_s, chip.intra_bandwidth),
             "inter": Link(chip.inter_latency_s, chip.inter_bandwidth),
         },
-        sources={name: f"catalog ({chip.source})" for name in figures},
+        sources={
+            **{name: f"catalog ({chip.source})" for name in figures},
+            **{name: "catalog: none (an accelerator's host runs ahead of it)" for name in HOST_TERMS},
+        },
     )
 
 
@@ -132,8 +167,8 @@ def load_profile(chip: Chip, path: str | Path | None) -> HardwareProfile:
 
     The file is what ``tessera calibrate`` writes: ``peak_flops`` per precision, the figures named in
     ``CALIBRATED_FIGURES``, and ``collectives`` as ``[{"ranks", "latency_s", "bandwidth", ...}]``, each
-    with its reduce-scatter and all-reduce factors, compute share and FSDP2 round trip
-    (``fsdp_latency_s``, ``fsdp_s_per_byte``) where measured.
+    with its reduce-scatter and all-reduce factors, compute share, and FSDP2 and TP round trips
+    (``fsdp_latency_s``, ``fsdp_s_per_byte``, ``tp_latency_s``, ``tp_s_per_byte``) where measured.
     """
     profile = catalog_profile(chip)
     if path is None:
@@ -155,14 +190,16 @@ def load_profile(chip: Chip, path: str | Path | None) -> HardwareProfile:
             )
             for c in data["collectives"]
         }
-        updates["compute_share_by_ranks"] = {
-            c["ranks"]: c["compute_share"] for c in data["collectives"] if "compute_share" in c
-        }
-        updates["fsdp_round_trip_by_ranks"] = {
-            c["ranks"]: (c["fsdp_latency_s"], c["fsdp_s_per_byte"])
-            for c in data["collectives"]
-            if "fsdp_s_per_byte" in c
-        }
+        for kind in ("compute", "memory"):
+            updates[f"{kind}_share_by_ranks"] = {
+                c["ranks"]: c[f"{kind}_share"] for c in data["collectives"] if f"{kind}_share" in c
+            }
+        for kind in ("fsdp", "tp"):
+            updates[f"{kind}_round_trip_by_ranks"] = {
+                c["ranks"]: (c[f"{kind}_latency_s"], c[f"{kind}_s_per_byte"])
+                for c in data["collectives"]
+                if f"{kind}_s_per_byte" in c
+            }
         updates["links"] = {
             **profile.links,
             "intra": updates["links_by_ranks"][max(updates["links_by_ranks"])],

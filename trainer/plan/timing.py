@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict
 from trainer.plan.bubble import bubble_share
 from trainer.plan.comms import (
     FP32,
+    TP_BACKWARD,
+    TP_FORWARD,
     DimPlacement,
     LayerComms,
     collective_seconds,
@@ -35,6 +37,7 @@ from trainer.plan.comms import (
     gradient_syncs,
     layer_comms,
     link_of,
+    tp_backward_collectives,
 )
 from trainer.plan.compute import (
     BlockSeconds,
@@ -116,7 +119,8 @@ def root_exposed(geo: Geometry, placement: dict[str, DimPlacement]) -> tuple[flo
 def fsdp_host_seconds(geo: Geometry, hw: HardwareProfile, shard: DimPlacement, params: float) -> float:
     """FSDP2's own work on a host per sync for a unit of ``params`` (one TP rank's), beyond what the
     plan prices elsewhere: allocating and first-touching the gathered and gradient buffers, its hooks
-    and per-parameter views, gradient division and accumulation.
+    and per-parameter views, gradient division and accumulation, and the ranks waiting for each other at
+    each collective (wall time, on two sequences of a training length).
 
     ``tessera calibrate`` times FSDP2's round trip of a transformer block (fp32, resharded: two
     all-gathers and a reduce-scatter, with everything around them) as t = λ + 4P·r over its parameter
@@ -136,13 +140,40 @@ def fsdp_host_seconds(geo: Geometry, hw: HardwareProfile, shard: DimPlacement, p
     return rest * (gathers_per_sync(geo) * geo.compute_bytes + FP32) / (3 * FP32)
 
 
-def tp_exposed(geo: Geometry, block: BlockSeconds, comms: LayerComms, overlap: Overlap) -> float:
+def tp_host_seconds(geo: Geometry, hw: HardwareProfile, tp: DimPlacement, comms: LayerComms) -> float:
+    """A TP block's cost on a host per micro-batch beyond its collectives' α–β: DTensor's dispatch and
+    redistributes around every op, and the ranks waiting for each other at each of its synchronous
+    collectives (on shared cores their segments end apart).
+
+    ``tessera calibrate`` times the probe block under TP less its unsplit twin (the same local matmuls)
+    as t = λ + A·r over the fp32 bytes A of the activation one collective assembles; here A is the
+    layout's micro-batch (T·d·4), with the collectives priced in ``comms`` taken off, and a recomputing
+    layout's extra forward at the forward's share of it. Zero where nothing was measured.
+    """
+    latency, per_byte = hw.tp_round_trip(tp.degree)
+    if not latency and not per_byte:
+        return 0.0
+    measured = latency + per_byte * geo.microbatch_tokens * geo.model.dim * FP32
+    collectives = TP_FORWARD + tp_backward_collectives(geo)
+    measured *= collectives / (TP_FORWARD + TP_BACKWARD)  # recompute repeats the forward's collectives
+    return max(0.0, measured - comms.tp_forward - comms.tp_backward)
+
+
+def tp_exposed(
+    geo: Geometry,
+    hw: HardwareProfile,
+    block: BlockSeconds,
+    comms: LayerComms,
+    tp: DimPlacement,
+    overlap: Overlap,
+) -> float:
     """One micro-batch's TP collectives on the critical path: all of them, or with async TP only what
-    outlasts the blocks' compute (the collectives are decomposed and pipelined with the matmuls)."""
-    tp = comms.tp_forward + comms.tp_backward
+    outlasts the blocks' compute (the collectives are decomposed and pipelined with the matmuls); on a
+    host, plus what TP costs there beyond them (:func:`tp_host_seconds`)."""
+    collectives = comms.tp_forward + comms.tp_backward
     if overlap.async_tp:
-        tp = max(0.0, tp - block.forward - block.backward - block.recompute)
-    return geo.layers_per_stage * tp
+        collectives = max(0.0, collectives - block.forward - block.backward - block.recompute)
+    return geo.layers_per_stage * (collectives + tp_host_seconds(geo, hw, tp, comms))
 
 
 def step_time(
@@ -155,7 +186,7 @@ def step_time(
     m, v = geo.microbatches, geo.parallel.pp_virtual_stages
     syncs = gradient_syncs(geo) if overlap.grads_in_backward else 1  # else one sync after the last backward
     stages = stage_seconds(geo, hw, block)
-    tp = tp_exposed(geo, block, comms, overlap)
+    tp = tp_exposed(geo, hw, block, comms, by_dim["tp"], overlap)
     ring = ring_exposed_seconds(geo, by_dim["cp"], block_attention_seconds(geo, hw), not hw.host_bound)
     pp = 2 * v * comms.pp_send if geo.parallel.pp > 1 else 0.0
     slowest = max(stages)

@@ -1,0 +1,237 @@
+"""Replica-level fault tolerance (torchft) with real processes: a replica group SIGKILLed mid-run.
+
+Two replica groups of the micro model, each its own standalone torchrun of one rank, one Lighthouse
+held here as the launcher holds it. Replica 1 SIGKILLs itself before step ``KILL_AT + 1`` (the fault
+hook, first attempt only); its torchrun restarts it. What must hold:
+
+* the survivor never stops: it logs every step, the longest gap between two is within the collective
+  timeout, and its process is the same one throughout (no global restart);
+* the restarted replica heals from the survivor at a later step instead of starting over, from there
+  both log the same loss and grad norm at every step, their final weights are equal bit for bit, and
+  both finish;
+* preserved: up to the kill, the loss curve is an uninterrupted 2-replica run's, bitwise. Not
+  preserved: the steps the survivor ran alone averaged only its own rows (``replicas`` is 1 in their
+  metrics), so from the kill on the curve differs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from deployments.spec import SpecError, TrainingSpec, parse_spec
+from tests.fault_report import FaultRow, record
+from tests.pipeline_specs import MICRO_MODEL
+from trainer.agents import agent_workers, start_agent, stop_agent
+from trainer.launch import launch_env
+from trainer.metrics import read_metrics
+from trainer.replica_groups import replica_groups, replica_run_dir
+from trainer.rundir import RunDir
+
+KILL_AT = 4
+STEPS = 60
+TIMEOUT_S = 6.0  # faults.collective_timeout_s: bounds the survivor's stall
+HEARTBEAT_S = 1.0  # the Lighthouse drops a silent replica after this
+STEP_S = "0.5"  # every replica sleeps this before each step, so the survivor is still training when
+# the restarted replica is back (torchrun restart + import + heal: several seconds on 2 cores)
+WAIT_S = 150.0
+CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "replicas")
+
+SPEC: dict[str, Any] = {
+    "name": "replica-ft",
+    "seed": 3,
+    "model": MICRO_MODEL,
+    "data": {"loader_workers": 0},
+    "train": {"steps": STEPS, "seq_len": 16, "global_batch_size": 8, "micro_batch_size": 2},
+    "parallel": {"dp_replicate": 2},
+    "cluster": {"nodes": 2, "chips_per_node": 1},
+    "optimizer": {"lr": 1e-2, "warmup_steps": 2},
+    "checkpoint": {"interval": STEPS, "mode": "sync", "keep_last": 1},
+    "faults": {
+        "max_restarts": 1,
+        "collective_timeout_s": TIMEOUT_S,
+        "step_timeout_s": 60.0,
+        "replica_fault_tolerance": True,
+    },
+}
+
+
+@dataclass
+class ReplicaRun:
+    run_dir: Path
+    agents: list[subprocess.Popen[str]] = field(default_factory=list)
+    workers: list[list[int]] = field(default_factory=lambda: [[], []])  # each replica's worker pids, in order
+    output: list[list[str]] = field(default_factory=lambda: [[], []])
+    finished: bool = False  # every agent exited by itself within WAIT_S
+
+    def metrics(self, replica: int) -> list[dict[str, Any]]:
+        return read_metrics(replica_run_dir(self.run_dir, replica) / "metrics.jsonl")
+
+    def log(self, replica: int) -> str:
+        return "".join(self.output[replica])
+
+
+def run_replicas(tmp: Path, fault_env: dict[int, dict[str, str]], step_s: str) -> ReplicaRun:
+    """Both replica groups under one Lighthouse until they exit; each step waits ``step_s`` first."""
+    spec = TrainingSpec.model_validate(SPEC)
+    job = spec.job_config(None).model_copy(update={"train": spec.train.model_copy(update={"log_every": 1})})
+    tmp.mkdir(parents=True, exist_ok=True)
+    job_json = RunDir(tmp).job
+    job_json.write_text(job.model_dump_json(indent=2))
+    env = launch_env(job) | {
+        "OMP_NUM_THREADS": "1",
+        "TESSERA_FAULT_SLOW_RANK": "0",
+        "TESSERA_FAULT_SLOW_S": step_s,
+    }
+    run = ReplicaRun(tmp)
+    readers = []
+    with replica_groups(job, job_json, tmp, heartbeat_timeout_s=HEARTBEAT_S) as commands:
+        try:
+            for replica, command in enumerate(commands):
+                extra = [f"{k}={v}" for k, v in fault_env.get(replica, {}).items()]  # after `env`
+                agent = start_agent([command[0], *extra, *command[1:]], env, RunDir(tmp))
+                assert agent.stdout is not None
+                reader = threading.Thread(
+                    target=run.output[replica].extend, args=(agent.stdout,), daemon=True
+                )
+                reader.start()
+                run.agents.append(agent)
+                readers.append(reader)
+            deadline = time.monotonic() + WAIT_S
+            while any(agent.poll() is None for agent in run.agents) and time.monotonic() < deadline:
+                for replica, agent in enumerate(run.agents):
+                    workers = run.workers[replica]
+                    workers += [pid for pid in agent_workers(agent.pid) if pid not in workers]
+                time.sleep(0.05)
+            run.finished = all(agent.poll() is not None for agent in run.agents)
+        finally:
+            for agent, reader in zip(run.agents, readers, strict=True):
+                stop_agent(agent)
+                reader.join(timeout=5)
+    return run
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory: pytest.TempPathFactory) -> ReplicaRun:
+    kill = {1: {"TESSERA_FAULT_CRASH_AT_STEP": str(KILL_AT + 1)}}
+    run = run_replicas(tmp_path_factory.mktemp("faulted"), kill, STEP_S)
+    assert run.finished, f"the replicas did not finish in {WAIT_S:.0f} s:\n{run.log(1)[-6000:]}"
+    for replica, agent in enumerate(run.agents):
+        assert agent.returncode == 0, f"replica {replica} failed:\n{run.log(replica)[-6000:]}"
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> ReplicaRun:
+    """The same job uninterrupted (and unslowed: the pace changes no number)."""
+    run = run_replicas(tmp_path_factory.mktemp("reference"), {}, "0")
+    assert run.finished and all(agent.returncode == 0 for agent in run.agents), run.log(0)[-6000:]
+    return run
+
+
+def curve(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{key: line[key] for key in CURVE_KEYS} for line in metrics]
+
+
+def final_state(checkpoint_dir: Path, tmp: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A checkpoint's model and optimizer tensors (flattened names) and its loader position."""
+    out = tmp / f"{checkpoint_dir.parent.name}.pt"
+    dcp_to_torch_save(checkpoint_dir, out)
+    saved = torch.load(out, weights_only=True)
+    app = saved["app"]
+    tensors = {f"model.{k}": v for k, v in app["model"].items()} | {
+        f"optim.{k}": v for k, v in app["optim"].items()
+    }
+    return {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}, saved["loader"]
+
+
+def rejoined_at(faulted: ReplicaRun) -> int:
+    """The step the restarted replica healed at: it logged up to the kill, then from the step after."""
+    steps = [m["step"] for m in faulted.metrics(1)]
+    assert steps[:KILL_AT] == list(range(1, KILL_AT + 1)), steps
+    return steps[KILL_AT] - 1
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_survivor_keeps_training_and_the_killed_replica_heals(faulted: ReplicaRun, tmp_path: Path) -> None:
+    assert len(faulted.workers[0]) == 1, "replica 0 was restarted: a global restart"
+    assert len(faulted.workers[1]) == 2, "replica 1 was not killed and restarted exactly once"
+    survivor = faulted.metrics(0)
+    assert [m["step"] for m in survivor] == list(range(1, STEPS + 1))
+    gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(survivor)]
+    stall = max(gaps)
+    assert stall <= TIMEOUT_S + 2.0, f"the survivor stalled {stall:.1f} s"
+
+    rejoin = rejoined_at(faulted)
+    assert rejoin > KILL_AT, "the restarted replica started over instead of healing"
+    assert f"resumed from step {rejoin} (healed from a live replica)" in faulted.log(1)
+    healed = faulted.metrics(1)[KILL_AT:]
+    assert [m["step"] for m in healed] == list(range(rejoin + 1, STEPS + 1))
+    assert curve(healed) == curve(survivor[rejoin:]), "the replicas disagree after the heal"
+    (weights, position), (peer_weights, peer_position) = (
+        final_state(RunDir(faulted.run_dir).checkpoints / f"step-{STEPS:06d}", tmp_path),
+        final_state(
+            replica_run_dir(faulted.run_dir, 1) / f"checkpoints-replica-1/step-{STEPS:06d}", tmp_path
+        ),
+    )
+    assert weights.keys() == peer_weights.keys()
+    assert [name for name in weights if not torch.equal(weights[name], peer_weights[name])] == []
+    assert position == peer_position, "the healed replica's data position is not the survivor's"
+
+    kill_to_rejoin = survivor[rejoin]["time"] - survivor[KILL_AT]["time"]
+    print(json.dumps({"survivor_longest_gap_s": round(stall, 2), "rejoined_at_step": rejoin}))
+    record(
+        FaultRow(
+            "replica group SIGKILLed (HSDP, torchft)",
+            "recovered",
+            "replica lost: the other continued",
+            round(stall, 1),
+            0,
+            round(kill_to_rejoin, 1),
+            False,  # by design: the steps on one replica trained half the rows (see the next test)
+        )
+    )
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_loss_curve_is_preserved_until_the_kill_and_not_after(
+    faulted: ReplicaRun, reference: ReplicaRun
+) -> None:
+    survivor, uninterrupted = faulted.metrics(0), reference.metrics(0)
+    assert curve(survivor[:KILL_AT]) == curve(uninterrupted[:KILL_AT])
+    rejoin = rejoined_at(faulted)
+    alone = [m["step"] for m in survivor if m["replicas"] == 1]
+    assert alone == list(range(KILL_AT + 1, rejoin + 1)), "steps on one replica: exactly kill → rejoin"
+    assert all(m["replicas"] == 2 for m in uninterrupted)
+    assert survivor[KILL_AT]["loss"] != uninterrupted[KILL_AT]["loss"]
+    assert re.search(r"resumed from step", faulted.log(0)) is None, "the survivor restarted"
+
+
+def test_spec_refuses_replica_fault_tolerance_without_replicas_or_with_sharding() -> None:
+    spec = {**SPEC, "parallel": {"dp_shard": 2}}
+    with pytest.raises(SpecError, match=r"faults.replica_fault_tolerance needs parallel.dp_replicate > 1"):
+        parse_spec(spec)
+    spec = {
+        **SPEC,
+        "parallel": {"dp_replicate": 2, "dp_shard": 2},
+        "cluster": {"nodes": 2, "chips_per_node": 2},
+    }
+    with pytest.raises(SpecError, match=r"one fp32 process per replica group.*dp_shard=2"):
+        parse_spec(spec)
+    elastic = {**SPEC, "faults": {**SPEC["faults"], "min_nodes": 1}}
+    with pytest.raises(SpecError, match=r"unset faults.min_nodes"):
+        parse_spec(elastic)
+    assert TrainingSpec.model_validate(SPEC).faults.replica_fault_tolerance
