@@ -26,10 +26,10 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
-def terminate_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the thread that started it exits (Linux only)."""
+def terminate_with_parent(signum: int = signal.SIGTERM) -> None:
+    """In the child, before exec: ``signum`` when the thread that started it exits (Linux only)."""
     if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signum)
 
 
 def start_agent(cmd: list[str], env: dict[str, str], run_dir: RunDir) -> subprocess.Popen[str]:

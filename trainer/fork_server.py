@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import ctypes
 import hashlib
 import importlib
 import io
@@ -49,8 +48,6 @@ STOP_WAIT_S = 10.0  # the workers are gone when the launcher stops the server: i
 REQUEST_TIMEOUT_S = 5.0
 LISTEN_WAIT_S = 10.0  # else the workers start cold (the client falls back)
 _MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes, one of them the terminating NUL
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def socket_path(run_dir: Path) -> Path:
@@ -280,8 +277,7 @@ def _become_worker(request: Request, server_pid: int) -> None:
     """In the forked child: a session of its own, the client's stdio, environment and cwd, the
     server's signal handlers undone."""
     os.setsid()  # as torchrun starts its workers: a signal to the server's group does not reach them
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    terminate_with_parent(signal.SIGKILL)
     if os.getppid() != server_pid:  # the server died before the line above
         os._exit(1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -121,14 +121,12 @@ def memory_bandwidth() -> float:
 def kernel_overhead() -> float:
     """Seconds of host work per kernel: one tiny Transformer block (trainer/model.py, dim 8, one token)
     forward and backward, whose device work is nil, over the kernels the planner counts for it."""
-    from trainer.model import TransformerBlock, rope_table
     from trainer.plan.compute import BACKWARD_KERNELS, BLOCK_KERNELS
 
     cfg = ModelConfig(
         preset="custom", n_layers=1, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=8, rope_theta=1e4
     )
-    block, rope = TransformerBlock(cfg), rope_table(cfg.head_dim, 1, 1e4)
-    x = torch.randn(1, 1, cfg.dim, requires_grad=True)
+    block, x, rope = _block_input(cfg, 1, 1)
     seconds = best_seconds(lambda: block(x, rope).sum().backward())
     return seconds / ((1 + BACKWARD_KERNELS) * BLOCK_KERNELS[False])
 
@@ -145,9 +143,9 @@ def attention_efficiency(peak: float, knee: float) -> float:
     return flops / best_seconds(step) / (peak * seq / (seq + knee))
 
 
-def _probe_geometry(batch: int, seq: int, cfg: ModelConfig | None = None) -> Geometry:
-    """The planner's view of one block of ``cfg`` (default: the probe block) on one fp32 process."""
-    model = cfg or ModelConfig(**PROBE_BLOCK)
+def _probe_geometry(batch: int, seq: int) -> Geometry:
+    """The planner's view of the probe block on one fp32 process."""
+    model = ModelConfig(**PROBE_BLOCK)
     train = TrainConfig(steps=1, seq_len=seq, micro_batch_size=batch, global_batch_size=batch)
     return Geometry(model=model, parallel=ParallelConfig(), train=train, accelerator="cpu")
 
@@ -238,7 +236,7 @@ def _fsdp_round_trips() -> list[dict[str, float]]:
         x = torch.randn(FSDP_BATCH, FSDP_SEQ, cfg.dim)
         rows.append(
             {
-                "bytes": 4 * sum(p.numel() for p in plain.parameters()),
+                "bytes": FP32_BYTES * sum(p.numel() for p in plain.parameters()),
                 "seconds": _wall_round_trip_seconds(sharded, x, rope)
                 - _wall_round_trip_seconds(plain, x, rope),
             }
