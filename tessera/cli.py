@@ -165,8 +165,9 @@ def calibrate(
         int, typer.Option(help="Largest process group whose collectives are measured (2, 4, ...).")
     ] = 4,
 ) -> None:
-    """Measure this machine (GEMM throughput over shapes, memory bandwidth, kernel overhead, collective
-    α/β per process-group size) and write a chip profile for `tessera plan --profile`.
+    """Measure this machine (GEMM throughput over shapes, memory bandwidth, kernel overhead, a real
+    block's matmul and element-wise rates; per process-group size: collective α/β, compute and memory
+    shares, FSDP and TP block round trips) and write a chip profile for `tessera plan --profile`.
 
     Example: tessera calibrate --out runs/calibration/cpu.json
     """
