@@ -10,6 +10,11 @@ gang by **Kueue**. A ConfigMap holds the trainer's job JSON; it is owned by the 
 by the flow run's own Job when the flow runs in the cluster, so the garbage collector removes both
 with the flow run; a TTL and a deadline bound them otherwise.
 
+With ``faults.replica_fault_tolerance`` the replicated Job has one Job per replica group (each its own
+rendezvous at its pod 0), a second replicated Job runs the run's torchft Lighthouse, and a failed
+replica's Job is recreated alone (JobSet's ``RestartJob``, alpha in v0.12: the operator must run with
+``--feature-gates=RestartJob=true``), so the other replicas keep training.
+
 The pod shape comes from the pool's base job template (``deployments/templates/<accelerator>.json``),
 so the pool and the training job share one source of truth; the spec fills in image, chip counts,
 instance type, TPU slice topology, service account and queue. Objects are named after the run id, so
@@ -38,6 +43,7 @@ from trainer import storage
 from trainer.backends.chips import get_chip
 from trainer.failures import EXIT_USER_ERROR
 from trainer.launch import launch_env
+from trainer.replica_groups import LIGHTHOUSE_ENV, REPLICA_ENV
 
 Manifest = dict[str, Any]
 
@@ -48,8 +54,14 @@ JOBSET_GROUP, JOBSET_API = "jobset.x-k8s.io", "v1alpha2"
 KUEUE_API = "v1beta2"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
-REPLICATED_JOB = "node"  # pods are <jobset>-node-0-<index>
+REPLICATED_JOB = "node"  # pods are <jobset>-node-<replica group>-<index>
+LIGHTHOUSE_JOB = "lighthouse"  # replica fault tolerance: the run's Lighthouse, pod <jobset>-lighthouse-0-0
 RDZV_PORT = 29400
+LIGHTHOUSE_PORT = 29510
+# Without a chip: it only keeps the replicas' quorum (heartbeats and a few RPCs a step).
+LIGHTHOUSE_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+JOB_INDEX = "metadata.annotations['jobset.sigs.k8s.io/job-index']"  # which replica group a pod is in
+MAX_RESTARTABLE_JOBS = 1024  # JobSet refuses RestartJob rules beyond this many replicas of a Job
 JOB_DIR = "/etc/tessera"  # where the ConfigMap with job.json is mounted
 RUN_DIR = "/var/run/tessera"  # per-pod scratch run dir; what must outlive the pod goes to the run URL
 SHM_SIZE = "64Gi"  # /dev/shm: NCCL's intra-node buffers and DataLoader workers' shared tensors
@@ -116,6 +128,17 @@ JOBSET_FAILURE_RULES = [
     },
     # Anything else (BackoffLimitExceeded: a node failure) falls through to RestartJobSet, counted.
 ]
+# Replica fault tolerance: a replica group's failure recreates that group's Job only, while the others
+# train on (a Lighthouse that fails past its own retries still restarts everything).
+REPLICA_FAILURE_RULES = [
+    JOBSET_FAILURE_RULES[0],
+    {
+        **JOBSET_FAILURE_RULES[1],
+        "action": "RestartJobAndIgnoreMaxRestarts",
+        "targetReplicatedJobs": [REPLICATED_JOB],
+    },
+    {"name": "ReplicaLost", "action": "RestartJob", "targetReplicatedJobs": [REPLICATED_JOB]},
+]
 
 
 class ManifestError(ValueError):
@@ -136,10 +159,18 @@ def tpu_topology(chip: str, chips: int) -> str:
     return "x".join(str(d) for d in sorted(dims))
 
 
+def replica_groups(spec: TrainingSpec) -> int:
+    """Jobs of the replicated Job: one per replica group with replica fault tolerance, else one."""
+    return spec.parallel.dp_replicate if spec.faults.replica_fault_tolerance else 1
+
+
 def jobset_name(run: Run) -> str:
     """The run id, its spec-name part shortened if needed so that every pod name the JobSet derives
-    (``<name>-node-0-<index>-<5 random>``) is a DNS label, which the JobSet webhook demands."""
-    longest_suffix = len(f"-{REPLICATED_JOB}-0-{run.spec.cluster.nodes - 1}") + POD_NAME_SUFFIX
+    (``<name>-node-<group>-<index>-<5 random>``) is a DNS label, which the JobSet webhook demands."""
+    groups = replica_groups(run.spec)
+    pods = [f"-{REPLICATED_JOB}-{groups - 1}-{run.spec.cluster.nodes // groups - 1}"]
+    pods += [f"-{LIGHTHOUSE_JOB}-0-0"] if groups > 1 else []
+    longest_suffix = max(map(len, pods)) + POD_NAME_SUFFIX
     budget = DNS_LABEL_MAX - longest_suffix
     if len(run.run_id) <= budget:
         return run.run_id
@@ -147,10 +178,14 @@ def jobset_name(run: Run) -> str:
     return f"{spec_part[: budget - len(token) - 1].rstrip('-')}-{token}"
 
 
-def pod_hostnames(run: Run) -> list[str]:
-    """Each pod's DNS name through the JobSet's headless Service, by completion index."""
+def pod_hostnames(run: Run, group: int | str = 0) -> list[str]:
+    """Each pod's DNS name in replica group ``group`` (``$(REPLICA_GROUP_ID)``: the pod's own) through
+    the JobSet's headless Service, by completion index."""
     name = jobset_name(run)
-    return [f"{name}-{REPLICATED_JOB}-0-{index}.{name}" for index in range(run.spec.cluster.nodes)]
+    return [
+        f"{name}-{REPLICATED_JOB}-{group}-{index}.{name}"
+        for index in range(run.spec.cluster.nodes // replica_groups(run.spec))
+    ]
 
 
 def run_url(run: Run) -> str:
@@ -186,7 +221,8 @@ def placement(spec: TrainingSpec, defaults: dict[str, Any]) -> dict[str, Any]:
         )
     if cluster.accelerator == "tpu":
         selector["cloud.google.com/gke-tpu-accelerator"] = TPU_ACCELERATOR[cluster.chip]
-        selector["cloud.google.com/gke-tpu-topology"] = tpu_topology(cluster.chip, cluster.world_size)
+        slice_chips = cluster.world_size // replica_groups(spec)  # a replica group is a slice of its own
+        selector["cloud.google.com/gke-tpu-topology"] = tpu_topology(cluster.chip, slice_chips)
     else:
         selector["node.kubernetes.io/instance-type"] = INSTANCE_TYPE[cluster.chip]
     resources = json.loads(json.dumps(defaults["resources"]))
@@ -204,13 +240,22 @@ def backend_env(run: Run) -> list[dict[str, Any]]:
 def pod_env(run: Run) -> list[dict[str, Any]]:
     """The trainer container's environment: the backend's launch variables, the pod's node rank from
     its completion index, and for TPU the slice's worker host names, which TorchTPU's launcher reads
-    with the completion index to address every chip of the slice."""
+    with the completion index to address every chip of the slice. With replica fault tolerance, also
+    the pod's replica group (its Job's index in the JobSet) and where the Lighthouse is."""
     env = backend_env(run)
     env.append({"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}})
+    group: int | str = 0
+    if replica_groups(run.spec) > 1:
+        group = f"$({REPLICA_ENV})"  # Kubernetes expands a variable defined earlier in the list
+        name = jobset_name(run)
+        env += [
+            {"name": REPLICA_ENV, "valueFrom": {"fieldRef": {"fieldPath": JOB_INDEX}}},
+            {"name": LIGHTHOUSE_ENV, "value": f"http://{name}-{LIGHTHOUSE_JOB}-0-0.{name}:{LIGHTHOUSE_PORT}"},
+        ]
     if run.spec.cluster.accelerator == "tpu":
         env += [
             {"name": "TPU_WORKER_ID", "value": "$(NODE_RANK)"},
-            {"name": "TPU_WORKER_HOSTNAMES", "value": ",".join(pod_hostnames(run))},
+            {"name": "TPU_WORKER_HOSTNAMES", "value": ",".join(pod_hostnames(run, group))},
         ]
     return env
 
@@ -244,12 +289,20 @@ def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
     spec = run.spec
     template = base_job_template(spec.cluster.accelerator)
     defaults = _pool_defaults(template)
+    groups = replica_groups(run.spec)
+    if groups > MAX_RESTARTABLE_JOBS:
+        raise ManifestError(
+            f"parallel.dp_replicate={groups}: JobSet restarts one replica group's Job alone only up to "
+            f"{MAX_RESTARTABLE_JOBS} of them; use at most {MAX_RESTARTABLE_JOBS} replica groups"
+        )
+    nodes = spec.cluster.nodes // groups  # of each Job: a replica group, or the whole gang
     torchrun = run.torchrun_command(
         node_rank=0,
-        rdzv_endpoint=f"{pod_hostnames(run)[0]}:{RDZV_PORT}",
+        rdzv_endpoint=f"{pod_hostnames(run, f'$({REPLICA_ENV})' if groups > 1 else 0)[0]}:{RDZV_PORT}",
         job_path=Path(JOB_DIR, "job.json"),
         run_dir=Path(RUN_DIR),
         python="python",  # the image's interpreter, not this host's sys.executable
+        nodes=nodes,
     )
     # Kubernetes expands $(NODE_RANK) from the pod's environment: each pod passes its own index.
     torchrun = [arg.replace("--node-rank=0", "--node-rank=$(NODE_RANK)") for arg in torchrun]
@@ -268,7 +321,6 @@ def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
     job = apply_values(template["job_configuration"]["job_manifest"], values)
     job_spec = job["spec"]
     del job_spec["ttlSecondsAfterFinished"]  # the JobSet's TTL governs; a child's would race its restarts
-    nodes = spec.cluster.nodes
     job_spec.update(
         completionMode="Indexed",
         completions=nodes,
@@ -278,7 +330,47 @@ def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
         podFailurePolicy=copy.deepcopy(POD_FAILURE_POLICY),
     )
     _shape_pod(job_spec["template"], name, labels, spec.cluster.credentials_secret)
-    return _jobset(run, name, labels, job_spec, defaults)
+    jobs = [_replicated(REPLICATED_JOB, groups, job_spec, labels)]
+    if groups > 1:
+        jobs.append(_replicated(LIGHTHOUSE_JOB, 1, lighthouse_job(run, name, labels), labels))
+    return _jobset(run, name, labels, jobs, defaults)
+
+
+def lighthouse_job(run: Run, name: str, labels: dict[str, str]) -> Manifest:
+    """The Lighthouse's Job: one chipless pod serving the replicas' quorums, ready once its status page
+    answers; a crash is retried by the Job itself, not by restarting the replicas."""
+    container: Manifest = {
+        "name": LIGHTHOUSE_JOB,
+        "image": run.spec.cluster.image,
+        "command": ["python", "-m", "trainer.replica_groups", "--job", f"{JOB_DIR}/job.json"],
+        "args": ["--port", str(LIGHTHOUSE_PORT)],
+        "ports": [{"name": LIGHTHOUSE_JOB, "containerPort": LIGHTHOUSE_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/status", "port": LIGHTHOUSE_PORT}, "periodSeconds": 5},
+        "resources": copy.deepcopy(LIGHTHOUSE_RESOURCES),
+        "volumeMounts": [{"name": "job", "mountPath": JOB_DIR, "readOnly": True}],
+    }
+    account = run.spec.cluster.service_account
+    pod: Manifest = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [{"name": "job", "configMap": {"name": f"{name}-job"}}],
+        **({"serviceAccountName": account} if account else {}),
+    }
+    return {
+        "completions": 1,
+        "parallelism": 1,
+        "backoffLimit": run.spec.faults.max_restarts,
+        "activeDeadlineSeconds": training_deadline_s(run),
+        "template": {"metadata": {"labels": dict(labels)}, "spec": pod},
+    }
+
+
+def _replicated(job: str, replicas: int, job_spec: Manifest, labels: dict[str, str]) -> Manifest:
+    return {
+        "name": job,
+        "replicas": replicas,
+        "template": {"metadata": {"labels": dict(labels)}, "spec": job_spec},
+    }
 
 
 def _pool_defaults(template: Manifest) -> dict[str, Any]:
@@ -310,9 +402,11 @@ def _shape_pod(pod: Manifest, name: str, labels: dict[str, str], credentials_sec
 
 
 def _jobset(
-    run: Run, name: str, labels: dict[str, str], job_spec: Manifest, defaults: dict[str, Any]
+    run: Run, name: str, labels: dict[str, str], jobs: list[Manifest], defaults: dict[str, Any]
 ) -> Manifest:
-    """The JobSet around the one replicated Job: gang restart policy, DNS for the rendezvous, queue."""
+    """The JobSet around the replicated Jobs: restart policy, DNS for the rendezvous, queue, and what
+    success is (the training Jobs done: a Lighthouse never finishes by itself)."""
+    ft = len(jobs) > 1
     cluster = run.spec.cluster
     metadata: Manifest = {
         "name": name,
@@ -328,17 +422,14 @@ def _jobset(
             "failurePolicy": {
                 "maxRestarts": run.spec.faults.max_restarts,
                 "restartStrategy": "Recreate",
-                "rules": copy.deepcopy(JOBSET_FAILURE_RULES),
+                "rules": copy.deepcopy(REPLICA_FAILURE_RULES if ft else JOBSET_FAILURE_RULES),
             },
+            **(
+                {"successPolicy": {"operator": "All", "targetReplicatedJobs": [REPLICATED_JOB]}} if ft else {}
+            ),
             "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": name},
             "ttlSecondsAfterFinished": defaults["finished_job_ttl"],
-            "replicatedJobs": [
-                {
-                    "name": REPLICATED_JOB,
-                    "replicas": 1,
-                    "template": {"metadata": {"labels": dict(labels)}, "spec": job_spec},
-                }
-            ],
+            "replicatedJobs": jobs,
         },
     }
 

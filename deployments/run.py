@@ -210,15 +210,17 @@ class Run:
         job_path: Path | None = None,
         run_dir: Path | None = None,
         python: str = sys.executable,
+        nodes: int | None = None,
     ) -> list[str]:
         """One torchrun agent of this run. Locally the defaults are right; a pod passes where its job
-        file is mounted, its scratch run directory and the image's interpreter."""
+        file is mounted, its scratch run directory and the image's interpreter, and with replica fault
+        tolerance the ``nodes`` of its replica group (default: the cluster's)."""
         cluster = self.spec.cluster
         command = torchrun_command(
             job_path or self.dir.job,
             run_dir or self.dir.path,
             cluster.chips_per_node,
-            cluster.nodes,
+            nodes or cluster.nodes,
             node_rank,
             rdzv_endpoint,
             self.spec.faults.max_restarts,

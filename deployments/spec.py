@@ -160,7 +160,7 @@ class TrainingSpec(Strict):
             )
         errors = layout_errors(self.model, self.parallel, self.train, cluster)
         errors += elastic_errors(self.model, self.parallel, self.train, cluster, self.faults)
-        errors += replica_ft_errors(self.parallel, self.faults, self.checkpoint)
+        errors += replica_ft_errors(self.parallel, self.faults, self.checkpoint, cluster.nodes)
         if self.data.source == "files" and not self.data.paths:
             errors.append("data.source=files needs data.paths (files, globs or gs:// / s3:// URLs)")
         if errors:

@@ -31,7 +31,7 @@ from deployments.kubernetes import (
 from deployments.pools import POOLS, base_job_template
 from deployments.register import PREFECT_YAML, REPO_ROOT, render_prefect_yaml
 from deployments.run import Run
-from deployments.spec import SPEC_DIR, load_spec, parse_spec, read_yaml
+from deployments.spec import SPEC_DIR, SpecError, load_spec, parse_spec, read_yaml
 from tests.crd_schemas import crd_errors
 from trainer.failures import EXIT_HANG, EXIT_INFRA, EXIT_USER_ERROR
 from trainer.launch import LaunchResult
@@ -315,3 +315,69 @@ def test_a_chip_without_a_known_node_type_is_refused_naming_it(tmp_path: Path) -
         ManifestError, match=r"cluster.chip=h100-nvl has no known Kubernetes node type.*h100-sxm"
     ):
         render_manifests(run)
+
+
+def ft_run() -> Run:
+    """The 8B GPU spec as HSDP over two one-node replica groups with replica fault tolerance."""
+    data = read_yaml((SPEC_DIR / "gpu-llama3-8b-h100.yaml").read_text())
+    data["parallel"] |= {"dp_replicate": 2, "dp_shard": 16}
+    data["cluster"] |= {"nodes": 4}
+    data["faults"] = {"replica_fault_tolerance": True, "max_restarts": 3}
+    spec = parse_spec(data)
+    return Run.open(spec, RunDir(Path(tempfile.mkdtemp()) / f"{spec.name}-{RUN_TOKEN}"), data_url=DATA_URL)
+
+
+def test_replica_fault_tolerance_renders_a_job_per_replica_group_restarted_alone_and_a_lighthouse() -> None:
+    run = ft_run()
+    config_map, jobset = render_manifests(run)
+    validate_manifests([config_map, jobset])
+    assert crd_errors(jobset) == []
+    nodes, lighthouse = jobset["spec"]["replicatedJobs"]
+    assert (nodes["name"], nodes["replicas"], lighthouse["name"], lighthouse["replicas"]) == (
+        "node",
+        2,
+        "lighthouse",
+        1,
+    )
+    job = nodes["template"]["spec"]
+    assert job["completions"] == job["parallelism"] == 2 and job["backoffLimit"] == 0  # two nodes a group
+    container = job["template"]["spec"]["containers"][0]
+    args, env = container["args"], {e["name"]: e for e in container["env"]}
+    name = run.run_id
+    # Each group its own rendezvous, at its own pod 0; every pod learns its group from its Job's index.
+    assert f"--rdzv-endpoint={name}-node-$(REPLICA_GROUP_ID)-0.{name}:29400" in args
+    assert "--nnodes=2" in args and "--nproc-per-node=8" in args
+    assert env["REPLICA_GROUP_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+    )
+    assert env["TORCHFT_LIGHTHOUSE"]["value"] == f"http://{name}-lighthouse-0-0.{name}:29510"
+    # A lost replica group recreates its own Job; a user error still fails the run; success is the
+    # training Jobs', since the Lighthouse serves until it is stopped.
+    rules = jobset["spec"]["failurePolicy"]["rules"]
+    assert [(r["action"], r.get("targetReplicatedJobs")) for r in rules] == [
+        ("FailJobSet", None),
+        ("RestartJobAndIgnoreMaxRestarts", ["node"]),
+        ("RestartJob", ["node"]),
+    ]
+    assert jobset["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["node"]}
+    pod = lighthouse["template"]["spec"]["template"]["spec"]
+    (serve,) = pod["containers"]
+    assert serve["command"][:3] == ["python", "-m", "trainer.replica_groups"]
+    assert serve["readinessProbe"]["httpGet"] == {"path": "/status", "port": 29510}
+    assert not any(chip in serve["resources"].get("limits", {}) for chip in CHIP_RESOURCE.values())
+    job_json = json.loads(config_map["data"]["job.json"])
+    assert job_json["parallel"]["dp_replicate"] == 2 and job_json["faults"]["replica_fault_tolerance"]
+
+
+def test_a_replica_group_is_whole_nodes() -> None:
+    data = read_yaml((SPEC_DIR / "gpu-llama3-8b-h100.yaml").read_text())
+    data["train"] |= {"global_batch_size": 48}
+    data["parallel"] |= {"dp_replicate": 2, "dp_shard": 8}
+    data["cluster"] |= {"nodes": 2}
+    data["faults"] = {"replica_fault_tolerance": True}
+    assert parse_spec(data).faults.replica_fault_tolerance
+    data["parallel"]["dp_shard"], data["cluster"]["nodes"] = 12, 3  # a replica group of 1.5 nodes
+    with pytest.raises(
+        SpecError, match=r"cluster.nodes \(3\) must be a multiple of parallel.dp_replicate \(2\)"
+    ):
+        parse_spec(data)

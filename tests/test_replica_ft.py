@@ -1,14 +1,15 @@
 """Replica-level fault tolerance (torchft) with real processes: a replica group SIGKILLed mid-run.
 
-Two replica groups of the micro model, each its own standalone torchrun of one rank, one Lighthouse
-held here as the launcher holds it. Replica 1 SIGKILLs itself before step ``KILL_AT + 1`` (the fault
-hook, first attempt only); its torchrun restarts it. What must hold:
+HSDP of the micro model: two replica groups, each its own standalone torchrun of two FSDP ranks, one
+Lighthouse held here as the launcher holds it. Replica 1's last rank SIGKILLs itself before step
+``KILL_AT + 1`` (the fault hook, first attempt only); its torchrun restarts both its ranks. What must
+hold:
 
 * the survivor never stops: it logs every step, the longest gap between two is within the collective
-  timeout, and its process is the same one throughout (no global restart);
-* the restarted replica heals from the survivor at a later step instead of starting over, from there
-  both log the same loss and grad norm at every step, their final weights are equal bit for bit, and
-  both finish;
+  timeout, and its processes are the same ones throughout (no global restart);
+* the restarted replica heals rank by rank from the survivor at a later step instead of starting over,
+  from there both log the same loss and grad norm at every step, their final weights (every shard)
+  are equal bit for bit, and both finish;
 * preserved: up to the kill, the loss curve is an uninterrupted 2-replica run's, bitwise. Not
   preserved: the steps the survivor ran alone averaged only its own rows (``replicas`` is 1 in their
   metrics), so from the kill on the curve differs.
@@ -19,9 +20,13 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,16 +35,19 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from deployments.run import Run
 from deployments.spec import SpecError, TrainingSpec, parse_spec
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import MICRO_MODEL
 from trainer.agents import agent_workers, start_agent, stop_agent
 from trainer.launch import launch_env
 from trainer.metrics import read_metrics
-from trainer.replica_groups import replica_groups, replica_run_dir
+from trainer.replica_groups import replica_groups, replica_job, replica_run_dir
 from trainer.rundir import RunDir
+from trainer.train import StepTelemetry
 
 KILL_AT = 4
+RANKS = 2  # FSDP ranks in each replica group
 STEPS = 60
 TIMEOUT_S = 6.0  # faults.collective_timeout_s: bounds the survivor's stall
 HEARTBEAT_S = 1.0  # the Lighthouse drops a silent replica after this
@@ -53,9 +61,9 @@ SPEC: dict[str, Any] = {
     "seed": 3,
     "model": MICRO_MODEL,
     "data": {"loader_workers": 0},
-    "train": {"steps": STEPS, "seq_len": 16, "global_batch_size": 8, "micro_batch_size": 2},
-    "parallel": {"dp_replicate": 2},
-    "cluster": {"nodes": 2, "chips_per_node": 1},
+    "train": {"steps": STEPS, "seq_len": 16, "global_batch_size": 8, "micro_batch_size": 2, "log_every": 1},
+    "parallel": {"dp_replicate": 2, "dp_shard": RANKS, "mixed_precision": "bf16"},
+    "cluster": {"nodes": 2, "chips_per_node": RANKS},
     "optimizer": {"lr": 1e-2, "warmup_steps": 2},
     "checkpoint": {"interval": STEPS, "mode": "sync", "keep_last": 1},
     "faults": {
@@ -82,10 +90,11 @@ class ReplicaRun:
         return "".join(self.output[replica])
 
 
-def run_replicas(tmp: Path, fault_env: dict[int, dict[str, str]], step_s: str) -> ReplicaRun:
+def run_replicas(
+    tmp: Path, fault_env: dict[int, dict[str, str]], step_s: str, spec: dict[str, Any] = SPEC
+) -> ReplicaRun:
     """Both replica groups under one Lighthouse until they exit; each step waits ``step_s`` first."""
-    spec = TrainingSpec.model_validate(SPEC)
-    job = spec.job_config(None).model_copy(update={"train": spec.train.model_copy(update={"log_every": 1})})
+    job = TrainingSpec.model_validate(spec).job_config(None)
     tmp.mkdir(parents=True, exist_ok=True)
     job_json = RunDir(tmp).job
     job_json.write_text(job.model_dump_json(indent=2))
@@ -122,10 +131,10 @@ def run_replicas(tmp: Path, fault_env: dict[int, dict[str, str]], step_s: str) -
     return run
 
 
-@pytest.fixture(scope="module")
-def faulted(tmp_path_factory: pytest.TempPathFactory) -> ReplicaRun:
+def run_killing_replica_1(tmp: Path, spec: dict[str, Any] = SPEC) -> ReplicaRun:
+    """Replica 1's last rank SIGKILLs itself before step ``KILL_AT + 1``; both must still finish."""
     kill = {1: {"TESSERA_FAULT_CRASH_AT_STEP": str(KILL_AT + 1)}}
-    run = run_replicas(tmp_path_factory.mktemp("faulted"), kill, STEP_S)
+    run = run_replicas(tmp, kill, STEP_S, spec)
     assert run.finished, f"the replicas did not finish in {WAIT_S:.0f} s:\n{run.log(1)[-6000:]}"
     for replica, agent in enumerate(run.agents):
         assert agent.returncode == 0, f"replica {replica} failed:\n{run.log(replica)[-6000:]}"
@@ -133,11 +142,18 @@ def faulted(tmp_path_factory: pytest.TempPathFactory) -> ReplicaRun:
 
 
 @pytest.fixture(scope="module")
+def faulted(tmp_path_factory: pytest.TempPathFactory) -> ReplicaRun:
+    return run_killing_replica_1(tmp_path_factory.mktemp("faulted"))
+
+
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> ReplicaRun:
-    """The same job uninterrupted (and unslowed: the pace changes no number)."""
-    run = run_replicas(tmp_path_factory.mktemp("reference"), {}, "0")
-    assert run.finished and all(agent.returncode == 0 for agent in run.agents), run.log(0)[-6000:]
-    return run
+    """The same job uninterrupted, launched as ``tessera train`` launches it (``Run.launch_local``: the
+    run's Lighthouse and one torchrun per replica group), unslowed: the pace changes no number."""
+    run = Run.open(TrainingSpec.model_validate(SPEC), RunDir(tmp_path_factory.mktemp("reference")))
+    result = run.launch_local()
+    assert (result.returncode, result.kind) == (0, "ok"), result.log_tail[-6000:]
+    return ReplicaRun(run.dir.path, finished=True)
 
 
 def curve(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -163,13 +179,14 @@ def rejoined_at(faulted: ReplicaRun) -> int:
     return steps[KILL_AT] - 1
 
 
-@pytest.mark.dist
-@pytest.mark.fault
-def test_survivor_keeps_training_and_the_killed_replica_heals(faulted: ReplicaRun, tmp_path: Path) -> None:
-    assert len(faulted.workers[0]) == 1, "replica 0 was restarted: a global restart"
-    assert len(faulted.workers[1]) == 2, "replica 1 was not killed and restarted exactly once"
+def assert_survived_and_healed(faulted: ReplicaRun, steps: int, tmp: Path) -> tuple[float, int]:
+    """The survivor never stopped; replica 1 restarted once, healed at a later step and then agreed
+    with it at every step and in every final tensor. Returns the survivor's longest gap and the step
+    replica 1 rejoined at."""
+    assert len(faulted.workers[0]) == RANKS, "replica 0 was restarted: a global restart"
+    assert len(faulted.workers[1]) == 2 * RANKS, "replica 1 was not killed and restarted exactly once"
     survivor = faulted.metrics(0)
-    assert [m["step"] for m in survivor] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in survivor] == list(range(1, steps + 1))
     gaps = [b["time"] - a["time"] for a, b in itertools.pairwise(survivor)]
     stall = max(gaps)
     assert stall <= TIMEOUT_S + 2.0, f"the survivor stalled {stall:.1f} s"
@@ -178,18 +195,23 @@ def test_survivor_keeps_training_and_the_killed_replica_heals(faulted: ReplicaRu
     assert rejoin > KILL_AT, "the restarted replica started over instead of healing"
     assert f"resumed from step {rejoin} (healed from a live replica)" in faulted.log(1)
     healed = faulted.metrics(1)[KILL_AT:]
-    assert [m["step"] for m in healed] == list(range(rejoin + 1, STEPS + 1))
+    assert [m["step"] for m in healed] == list(range(rejoin + 1, steps + 1))
     assert curve(healed) == curve(survivor[rejoin:]), "the replicas disagree after the heal"
     (weights, position), (peer_weights, peer_position) = (
-        final_state(RunDir(faulted.run_dir).checkpoints / f"step-{STEPS:06d}", tmp_path),
-        final_state(
-            replica_run_dir(faulted.run_dir, 1) / f"checkpoints-replica-1/step-{STEPS:06d}", tmp_path
-        ),
+        final_state(RunDir(faulted.run_dir).checkpoints / f"step-{steps:06d}", tmp),
+        final_state(replica_run_dir(faulted.run_dir, 1) / f"checkpoints-replica-1/step-{steps:06d}", tmp),
     )
     assert weights.keys() == peer_weights.keys()
     assert [name for name in weights if not torch.equal(weights[name], peer_weights[name])] == []
     assert position == peer_position, "the healed replica's data position is not the survivor's"
+    return stall, rejoin
 
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_survivor_keeps_training_and_the_killed_replica_heals(faulted: ReplicaRun, tmp_path: Path) -> None:
+    stall, rejoin = assert_survived_and_healed(faulted, STEPS, tmp_path)
+    survivor = faulted.metrics(0)
     kill_to_rejoin = survivor[rejoin]["time"] - survivor[KILL_AT]["time"]
     print(json.dumps({"survivor_longest_gap_s": round(stall, 2), "rejoined_at_step": rejoin}))
     record(
@@ -203,6 +225,26 @@ def test_survivor_keeps_training_and_the_killed_replica_heals(faulted: ReplicaRu
             False,  # by design: the steps on one replica trained half the rows (see the next test)
         )
     )
+
+
+SHORT = 30  # steps: the kill, the restart and heal (~10 steps), and steps on two replicas again
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_a_tensor_or_pipeline_parallel_replica_heals_shard_by_shard(split: str, tmp_path: Path) -> None:
+    """The same loss and heal with each replica group split by TP (DTensor shards of every projection)
+    or PP (each rank a stage: its own parameters, the loss on the last one only)."""
+    spec = {
+        **SPEC,
+        "train": {**SPEC["train"], "steps": SHORT},
+        "parallel": {"dp_replicate": 2, split: RANKS},
+        "checkpoint": {**SPEC["checkpoint"], "interval": SHORT},
+    }
+    faulted = run_killing_replica_1(tmp_path / "run", spec)
+    stall, rejoin = assert_survived_and_healed(faulted, SHORT, tmp_path)
+    print(json.dumps({"split": split, "survivor_longest_gap_s": round(stall, 2), "rejoined_at_step": rejoin}))
 
 
 @pytest.mark.dist
@@ -220,18 +262,53 @@ def test_loss_curve_is_preserved_until_the_kill_and_not_after(
     assert re.search(r"resumed from step", faulted.log(0)) is None, "the survivor restarted"
 
 
-def test_spec_refuses_replica_fault_tolerance_without_replicas_or_with_sharding() -> None:
+def test_spec_refuses_replica_fault_tolerance_without_replicas_or_with_cp() -> None:
     spec = {**SPEC, "parallel": {"dp_shard": 2}}
     with pytest.raises(SpecError, match=r"faults.replica_fault_tolerance needs parallel.dp_replicate > 1"):
         parse_spec(spec)
     spec = {
         **SPEC,
-        "parallel": {"dp_replicate": 2, "dp_shard": 2},
-        "cluster": {"nodes": 2, "chips_per_node": 2},
+        "parallel": {"dp_replicate": 2, "dp_shard": 2, "cp": 2},
+        "cluster": {"nodes": 2, "chips_per_node": 4},
     }
-    with pytest.raises(SpecError, match=r"one fp32 process per replica group.*dp_shard=2"):
+    with pytest.raises(SpecError, match=r"supports FSDP, TP and PP inside a replica group.*cp=2"):
         parse_spec(spec)
     elastic = {**SPEC, "faults": {**SPEC["faults"], "min_nodes": 1}}
     with pytest.raises(SpecError, match=r"unset faults.min_nodes"):
         parse_spec(elastic)
     assert TrainingSpec.model_validate(SPEC).faults.replica_fault_tolerance
+
+
+def test_a_replica_groups_metrics_count_its_share_and_the_replicas_that_took_part() -> None:
+    """Each replica group computes half the global batch on its own chips: its MFU is that half against
+    its chips' peak, and the run's throughput counts only the replicas a step averaged."""
+    job = replica_job(TrainingSpec.model_validate(SPEC).job_config(None), 1)
+    cpu = torch.device("cpu")
+    alone, share = StepTelemetry(job, cpu, rank=1), StepTelemetry(job, cpu, rank=1, replicas=2)
+    whole = alone.record(7, 2.0, 1e-3, 1.0, 0.5, [])
+    both, one = (share.record(7, 2.0, 1e-3, 1.0, 0.5, [], participants=n) for n in (2, 1))
+    assert both["mfu"] == one["mfu"] == whole["mfu"] / 2
+    assert both["tokens_per_s"] == whole["tokens_per_s"] == 2 * one["tokens_per_s"]
+    assert (both["replicas"], one["replicas"], "replicas" in whole) == (2, 1, False)
+    assert both["tokens"] == whole["tokens"], "tokens: the data position, every global batch's rows"
+
+
+def test_the_lighthouse_pods_entry_point_serves_until_sigterm(tmp_path: Path) -> None:
+    """``python -m trainer.replica_groups``, the Kubernetes Lighthouse pod's command: its status page
+    (the pod's readiness probe) answers, and SIGTERM (the pod's deletion) ends it cleanly."""
+    job = tmp_path / "job.json"
+    job.write_text(TrainingSpec.model_validate(SPEC).job_config(None).model_dump_json())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "trainer.replica_groups", "--job", str(job), "--port", str(port)]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout is not None
+        assert "Lighthouse for 2 replica groups" in server.stdout.readline()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as page:
+            assert page.status == 200 and "quorum" in page.read().decode()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=10) == 0
+    finally:
+        server.kill()

@@ -9,10 +9,16 @@ missing heartbeats, :data:`HEARTBEAT_TIMEOUT_S` at most) and they continue on th
 restarted one joins the next quorum and first heals from a live peer: its model, optimizer and loader
 position, sent over HTTP, so every replica again holds the same weights, bit for bit.
 
+A replica group may itself be sharded (HSDP with the replicate dimension fault tolerant; TP, PP). Then
+torchft runs one Manager per rank (group rank 0 hosts the replica's Manager server,
+which votes for all of them): rank i of every replica averages its own gradient shards with rank i of
+the others, and heals from rank i of a live peer, since replicas share a layout and so their shards.
+
 What it changes: a step that ran on fewer replicas averaged fewer gradients (the lost replicas' rows of
 that global batch are never trained), so the loss curve after a loss is not an uninterrupted run's.
-Up to the first loss it is. Supported layout: one process per replica group (dp_shard = tp = pp = cp
-= ep = 1, fp32); ``trainer.replica_groups.replica_ft_errors`` refuses others.
+Up to the first loss it is. Supported inside a replica group: FSDP, TP and PP, in any precision (each
+rank's gradients and state are its own shards, the same on rank i of every replica); CP and EP are
+refused by ``trainer.replica_groups.replica_ft_errors``.
 
 Only ``trainer.train`` imports this module, and only with the switch on; torchft itself is imported
 inside the functions that use it. The groups' commands and the Lighthouse are in
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from trainer.config import JobConfig
 from trainer.failures import UserError
@@ -81,19 +89,38 @@ class ReplicaGroup:
         torchft's own. A fresh run waits up to the collective timeout for every replica group, so that
         all of them train from the first step; a replica that comes later heals in.
         """
-        from torchft import Manager, ProcessGroupGloo
-
         self.loader, self.position = loader, loader.state_dict()
 
         def save() -> dict[str, Any]:
-            return {"model": model.state_dict(), "loader": self.position}
+            return {"model": local_shards(model.state_dict()), "loader": self.position}
 
         def load(saved: dict[str, Any]) -> None:
-            model.load_state_dict(saved["model"])
+            model.load_state_dict(as_shards_of(saved["model"], model.state_dict()))
             loader.load_state_dict(saved["loader"])
             self.position = saved["loader"]
 
-        self.manager = Manager(
+        # Group rank 0 publishes its Manager server's address in the replica's store, where the others
+        # look it up: after a restart the store still holds the last attempt's, so they wait for this one.
+        if dist.get_rank() == 0:
+            self.manager = self._manager(save, load)
+        dist.barrier()
+        if dist.get_rank() != 0:
+            self.manager = self._manager(save, load)
+        assert self.manager is not None
+        self.manager.load_state_dict({"step": step, "batches_committed": step * self.replicas})
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        self.manager.start_quorum()
+        while step == 0 and self.manager.num_participants() < self.replicas and time.monotonic() < deadline:
+            time.sleep(JOIN_POLL_S)
+            self.manager.start_quorum()
+        self.quorum_open = True
+        return self.manager.current_step()
+
+    def _manager(self, save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]) -> Manager:
+        """This rank's torchft Manager: its replicate-dimension gloo group, quorum and heal."""
+        from torchft import Manager, ProcessGroupGloo
+
+        return Manager(
             pg=ProcessGroupGloo(timeout=self.timeout),
             load_state_dict=load,
             state_dict=save,
@@ -111,14 +138,6 @@ class ReplicaGroup:
             hostname=os.environ["MASTER_ADDR"],  # where the peers reach this group (its store's host)
             init_sync=False,  # every replica initializes the same weights from job.seed
         )
-        self.manager.load_state_dict({"step": step, "batches_committed": step * self.replicas})
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        self.manager.start_quorum()
-        while step == 0 and self.manager.num_participants() < self.replicas and time.monotonic() < deadline:
-            time.sleep(JOIN_POLL_S)
-            self.manager.start_quorum()
-        self.quorum_open = True
-        return self.manager.current_step()
 
     def average(self, parts: list[nn.Module], loss: torch.Tensor) -> bool:
         """Average the gradients of ``parts`` and ``loss`` (in place) over the replicas in this step's
@@ -138,14 +157,16 @@ class ReplicaGroup:
         for p in params:
             if p.grad is None:  # e.g. an expert no token reached: it contributes zeros
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1).float()])
+        # FSDP's gradients are DTensors: this rank's shard is what rank i of each replica averages.
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1).float()])
         manager.allreduce(flat).wait()
         committed = manager.should_commit()
         if committed:
             offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
             loss.copy_(flat[-1])
             assert self.loader is not None
             self.position = self.loader.state_dict()
@@ -158,3 +179,29 @@ class ReplicaGroup:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+
+
+def local_shards(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each DTensor as this rank's shard: what crosses to the same rank of a healing
+    replica (plain tensors, so the transport needs no device mesh)."""
+    return tree_map_only(DTensor, lambda t: t.to_local(), state)
+
+
+def as_shards_of(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """A peer's :func:`local_shards` made DTensors again, laid out as this rank's ``current`` state.
+
+    Matched by name, not by position: the peer's optimizer groups also carry what its learning-rate
+    schedule added (``initial_lr``), which a replica that is still restoring has not built yet.
+    """
+    return {
+        part: {name: _shard_like(value, current[part].get(name)) for name, value in values.items()}
+        for part, values in saved.items()
+    }
+
+
+def _shard_like(value: Any, like: Any) -> Any:
+    if not isinstance(like, DTensor):
+        return value
+    return DTensor.from_local(
+        value, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )

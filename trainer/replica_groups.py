@@ -1,9 +1,17 @@
 """Replica groups for ``faults.replica_fault_tolerance``: the spec's checks, each group's job and
 command, and the run's Lighthouse. Torch-free, so spec validation stays fast (torchft is imported only
-to host the Lighthouse); what runs inside a replica is ``trainer.replica_ft``."""
+to host the Lighthouse); what runs inside a replica is ``trainer.replica_ft``.
+
+On Kubernetes the Lighthouse is a pod of its own, serving until it is stopped::
+
+    python -m trainer.replica_groups --job /etc/tessera/job.json --port 29510
+"""
 
 from __future__ import annotations
 
+import argparse
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,10 +28,12 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # How long the Lighthouse waits for a replica's heartbeat before forming a quorum without it: the
 # survivors' stall after a replica dies (its gloo peers usually see the closed socket sooner).
 HEARTBEAT_TIMEOUT_S = 5.0
+# Splits a replica group cannot have yet: FSDP, TP and PP are tested under a replica's loss and heal.
+UNSUPPORTED_SPLITS = ("cp", "ep")
 
 
 def replica_ft_errors(
-    parallel: ParallelConfig, faults: FaultsConfig, checkpoint: CheckpointConfig
+    parallel: ParallelConfig, faults: FaultsConfig, checkpoint: CheckpointConfig, nodes: int
 ) -> list[str]:
     """Why the spec cannot run with replica fault tolerance, one message per problem naming the fix."""
     if not faults.replica_fault_tolerance:
@@ -34,13 +44,18 @@ def replica_ft_errors(
             f"faults.replica_fault_tolerance needs parallel.dp_replicate > 1 (now {parallel.dp_replicate}): "
             "the replica groups fail over to each other; raise dp_replicate or turn it off"
         )
-    splits = {name: getattr(parallel, name) for name in ("dp_shard", "tp", "pp", "cp", "ep")}
-    if any(degree > 1 for degree in splits.values()) or parallel.mixed_precision != "fp32":
+    elif nodes % parallel.dp_replicate:
+        errors.append(
+            f"faults.replica_fault_tolerance makes each replica group whole nodes, so that a lost node costs "
+            f"one replica: cluster.nodes ({nodes}) must be a multiple of parallel.dp_replicate "
+            f"({parallel.dp_replicate})"
+        )
+    splits = {name: getattr(parallel, name) for name in UNSUPPORTED_SPLITS}
+    if any(degree > 1 for degree in splits.values()):
         now = ", ".join(f"{name}={degree}" for name, degree in splits.items())
         errors.append(
-            "faults.replica_fault_tolerance supports one fp32 process per replica group for now: set "
-            f"parallel.dp_shard, tp, pp, cp and ep to 1 and mixed_precision to fp32 (now {now}, "
-            f"mixed_precision={parallel.mixed_precision}), or turn it off"
+            "faults.replica_fault_tolerance supports FSDP, TP and PP inside a replica group for now: set "
+            f"parallel.{' and '.join(UNSUPPORTED_SPLITS)} to 1 (now {now}), or turn it off"
         )
     if faults.min_nodes is not None:
         errors.append(
@@ -58,11 +73,13 @@ def replica_ft_errors(
 def replica_job(job: JobConfig, replica: int) -> JobConfig:
     """What one replica group trains: the job without the replicate dimension, on its own chip, with its
     own checkpoints (replica 0 keeps the job's location, so the pipeline's watchers follow it)."""
-    url = job.checkpoint.url
-    if url is not None and replica > 0:
-        url = f"{url.rstrip('/')}-replica-{replica}"
+    url, run_url = job.checkpoint.url, job.run_url
+    if replica > 0:
+        url = f"{url.rstrip('/')}-replica-{replica}" if url is not None else None
+        run_url = f"{run_url.rstrip('/')}/replica-{replica}" if run_url is not None else None
     return job.model_copy(
         update={
+            "run_url": run_url,
             "parallel": job.parallel.model_copy(update={"dp_replicate": 1}),
             "hardware": HardwareConfig(
                 accelerator=job.hardware.accelerator,
@@ -99,8 +116,9 @@ def start_lighthouse(
 
 
 def replica_commands(job: JobConfig, job_json: Path, run_dir: Path, lighthouse: str) -> list[list[str]]:
-    """argv of one standalone torchrun per replica group, each with its own ``faults.max_restarts``;
-    the replica id and the Lighthouse's address reach the workers through ``env``."""
+    """argv of one standalone torchrun per replica group (its FSDP ranks on this host), each with its
+    own ``faults.max_restarts``; the replica id and the Lighthouse's address reach the workers through
+    ``env``."""
     from trainer.launch import torchrun_command  # the launcher imports this module, not the reverse
 
     return [
@@ -111,8 +129,9 @@ def replica_commands(job: JobConfig, job_json: Path, run_dir: Path, lighthouse: 
             *torchrun_command(
                 job_json,
                 replica_run_dir(run_dir, replica),
-                nproc_per_node=1,
+                nproc_per_node=job.parallel.world_size // job.parallel.dp_replicate,
                 max_restarts=job.faults.max_restarts,
+                warm_restart=job.faults.warm_restart,
             ),
         ]
         for replica in range(job.parallel.dp_replicate)
@@ -139,3 +158,25 @@ def replica_groups(
         yield replica_commands(job, job_json, run_dir, lighthouse_address(server))
     finally:
         server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve the run's Lighthouse on ``--port`` until SIGTERM or SIGINT (its pod's whole life)."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.replica_groups", description=main.__doc__)
+    parser.add_argument("--job", type=Path, required=True, help="The run's job.json (its faults settings).")
+    parser.add_argument("--port", type=int, required=True, help="The port the replica groups reach it on.")
+    args = parser.parse_args(argv)
+    job = JobConfig.model_validate_json(args.job.read_text())
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # before the server's threads start: they inherit it
+    server = start_lighthouse(job, bind=f"[::]:{args.port}")
+    print(
+        f"tessera: Lighthouse for {job.parallel.dp_replicate} replica groups on port {args.port}", flush=True
+    )
+    signal.sigwait(stop)
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

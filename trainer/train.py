@@ -220,7 +220,8 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
         build_scheduler(opt, job.optimizer, job.train.steps, steps_done=start) for opt in session.optimizers
     ]
     n_micro = session.loader.local_batch // job.train.micro_batch_size
-    telemetry = StepTelemetry(job, session.device, session.rank)
+    replicas = session.replicas
+    telemetry = StepTelemetry(job, session.device, session.rank, replicas.replicas if replicas else 1)
     loss_value = None
     metrics = MetricsWriter(
         run_dir.metrics,
@@ -240,7 +241,7 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
             host_times = telemetry.host_times(began) if logged else []
             clock.lap("telemetry")
             loss = _forward_backward(model, inputs, targets, n_micro, first=step == start + 1)
-            while session.replicas is not None and not session.replicas.average(model.parts, loss):
+            while replicas is not None and not replicas.average(model.parts, loss):
                 for optimizer in session.optimizers:  # a replica was lost mid-step: this batch again
                     optimizer.zero_grad(set_to_none=True)
                 loss = _forward_backward(model, inputs, targets, n_micro, first=False)
@@ -257,9 +258,16 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
             clock.lap("optimizer")
             if logged:
                 metrics.write(
-                    telemetry.record(step, loss_value, lr, grad_norm, time.perf_counter() - began, host_times)
+                    telemetry.record(
+                        step,
+                        loss_value,
+                        lr,
+                        grad_norm,
+                        time.perf_counter() - began,
+                        host_times,
+                        replicas.participants() if replicas else None,
+                    )
                     | telemetry.tokens_by_source(session.loader.source_samples())
-                    | ({"replicas": session.replicas.participants()} if session.replicas else {})
                     | clock.seconds
                 )
             # A checkpoint write may legitimately outlast a step; the collective timeout bounds it.
@@ -297,13 +305,17 @@ class PhaseClock:
 
 
 class StepTelemetry:
-    """The fields of a ``metrics.jsonl`` line: loss, throughput, MFU against the chip's peak, stragglers."""
+    """The fields of a ``metrics.jsonl`` line: loss, throughput, MFU against the chip's peak, stragglers.
 
-    def __init__(self, job: JobConfig, device: torch.device, rank: int) -> None:
-        self.device, self.rank = device, rank
+    Under replica fault tolerance ``job`` is one of ``replicas`` replica groups: it computes its share
+    of each global batch on its own chips, and the run's throughput counts the replicas that took part.
+    """
+
+    def __init__(self, job: JobConfig, device: torch.device, rank: int, replicas: int = 1) -> None:
+        self.device, self.rank, self.replicas = device, rank, replicas
         self.tokens_per_step = job.train.global_batch_size * job.train.seq_len
         self.seq_len = job.train.seq_len
-        self.flops_per_step = plan_for_job(job).flops_per_step
+        self.flops_per_step = plan_for_job(job).flops_per_step / replicas
         self.peak_flops = job.parallel.world_size * get_chip(job.hardware.chip).peak_bf16_flops
         self.world_size = job.parallel.world_size  # an elastic job's shrinks show in its metrics
 
@@ -312,8 +324,17 @@ class StepTelemetry:
         return gather_host_times(time.perf_counter() - began, self.device)
 
     def record(
-        self, step: int, loss: float, lr: float, grad_norm: float, step_time: float, host_times: list[float]
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        step_time: float,
+        host_times: list[float],
+        participants: int | None = None,
     ) -> dict[str, float | int | bool | str]:
+        """``participants``: the replicas this step averaged (replica fault tolerance only)."""
+        trained = self.tokens_per_step * (participants or self.replicas) / self.replicas
         return {
             "step": step,
             "time": time.time(),  # wall clock: lines up a run's metrics with its logs
@@ -322,11 +343,12 @@ class StepTelemetry:
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": step * self.tokens_per_step,
-            "tokens_per_s": self.tokens_per_step / step_time,
+            "tokens_per_s": trained / step_time,
             "step_time_s": step_time,
             "mfu": self.flops_per_step / (step_time * self.peak_flops),
             "peak_memory_bytes": peak_memory_bytes(self.device),
             **(straggler_fields(step, host_times) if self.rank == 0 else {}),
+            **({"replicas": participants} if participants is not None else {}),
         }
 
     def tokens_by_source(self, source_samples: dict[str, int]) -> dict[str, dict[str, int]]:
