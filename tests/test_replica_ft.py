@@ -230,16 +230,31 @@ def test_survivor_keeps_training_and_the_killed_replica_heals(faulted: ReplicaRu
 SHORT = 30  # steps: the kill, the restart and heal (~10 steps), and steps on two replicas again
 
 
+# Each replica group split another way. The MoE biases its routing from each step's expert loads, by a
+# rate large enough that they steer it within the run: replicas stay equal only if they sum those too.
+MOE_BIAS = {"n_experts": 4, "top_k": 2, "balance": "bias", "bias_update_rate": 0.05}
+SPLITS: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
+    "tp": ({"tp": RANKS}, MICRO_MODEL),
+    "pp": ({"pp": RANKS}, MICRO_MODEL),
+    "ep": ({"dp_shard": RANKS, "ep": RANKS}, {**MICRO_MODEL, "moe": MOE_BIAS}),
+}
+
+
 @pytest.mark.dist
 @pytest.mark.fault
-@pytest.mark.parametrize("split", ["tp", "pp"])
-def test_a_tensor_or_pipeline_parallel_replica_heals_shard_by_shard(split: str, tmp_path: Path) -> None:
-    """The same loss and heal with each replica group split by TP (DTensor shards of every projection)
-    or PP (each rank a stage: its own parameters, the loss on the last one only)."""
+@pytest.mark.parametrize("split", SPLITS)
+def test_a_tensor_pipeline_or_expert_parallel_replica_heals_shard_by_shard(
+    split: str, tmp_path: Path
+) -> None:
+    """The same loss and heal with each replica group split by TP (DTensor shards of every projection),
+    PP (each rank a stage: its own parameters, the loss on the last one only) or EP (each rank its own
+    experts; every final tensor equal includes the routing biases)."""
+    parallel, model = SPLITS[split]
     spec = {
         **SPEC,
+        "model": model,
         "train": {**SPEC["train"], "steps": SHORT},
-        "parallel": {"dp_replicate": 2, split: RANKS},
+        "parallel": {"dp_replicate": 2, **parallel},
         "checkpoint": {**SPEC["checkpoint"], "interval": SHORT},
     }
     faulted = run_killing_replica_1(tmp_path / "run", spec)
@@ -271,7 +286,7 @@ def test_spec_refuses_replica_fault_tolerance_without_replicas_or_with_cp() -> N
         "parallel": {"dp_replicate": 2, "dp_shard": 2, "cp": 2},
         "cluster": {"nodes": 2, "chips_per_node": 4},
     }
-    with pytest.raises(SpecError, match=r"supports FSDP, TP and PP inside a replica group.*cp=2"):
+    with pytest.raises(SpecError, match=r"supports FSDP, TP, PP and EP inside a replica group.*cp=2"):
         parse_spec(spec)
     elastic = {**SPEC, "faults": {**SPEC["faults"], "min_nodes": 1}}
     with pytest.raises(SpecError, match=r"unset faults.min_nodes"):

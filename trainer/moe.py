@@ -142,6 +142,10 @@ class Router(nn.Module):
         aux = self.aux_loss_coef * (load * probs.mean(dim=1)).sum(dim=-1).mean()
         return weights.flatten(0, 1), experts.flatten(0, 1), aux
 
+    def step_statistics(self) -> list[Tensor]:
+        """What this step counted for :meth:`after_optimizer_step`: the expert loads (none without a bias)."""
+        return [self.expert_load] if self.expert_load is not None else []
+
     @torch.no_grad()
     def after_optimizer_step(self, sum_over_data_ranks: Callable[[Tensor], None]) -> None:
         """b_e += γ · sign(mean load − load_e) from the step's global loads (a no-op without a bias)."""

@@ -9,15 +9,15 @@ missing heartbeats, :data:`HEARTBEAT_TIMEOUT_S` at most) and they continue on th
 restarted one joins the next quorum and first heals from a live peer: its model, optimizer and loader
 position, sent over HTTP, so every replica again holds the same weights, bit for bit.
 
-A replica group may itself be sharded (HSDP with the replicate dimension fault tolerant; TP, PP). Then
+A replica group may itself be sharded (HSDP with the replicate dimension fault tolerant; TP, PP, EP). Then
 torchft runs one Manager per rank (group rank 0 hosts the replica's Manager server,
 which votes for all of them): rank i of every replica averages its own gradient shards with rank i of
 the others, and heals from rank i of a live peer, since replicas share a layout and so their shards.
 
 What it changes: a step that ran on fewer replicas averaged fewer gradients (the lost replicas' rows of
 that global batch are never trained), so the loss curve after a loss is not an uninterrupted run's.
-Up to the first loss it is. Supported inside a replica group: FSDP, TP and PP, in any precision (each
-rank's gradients and state are its own shards, the same on rank i of every replica); CP and EP are
+Up to the first loss it is. Supported inside a replica group: FSDP, TP, PP and EP, in any precision
+(each rank's gradients and state are its own shards, the same on rank i of every replica); CP is
 refused by ``trainer.replica_groups.replica_ft_errors``.
 
 Only ``trainer.train`` imports this module, and only with the switch on; torchft itself is imported
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_map_only
 from trainer.config import JobConfig
 from trainer.failures import UserError
 from trainer.replica_groups import LIGHTHOUSE_ENV, REPLICA_ENV, replica_job
+from trainer.step_hooks import step_statistics
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -161,12 +163,17 @@ class ReplicaGroup:
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1).float()])
         manager.allreduce(flat).wait()
+        # What modules counted for their once-a-step update (an MoE router's expert loads) is summed
+        # across the replicas too, so that every replica's update, e.g. its routing bias, is the same.
+        stats = step_statistics(parts)
+        counted = torch.cat([t.reshape(-1) for t in stats]) if stats else None
+        if counted is not None:
+            manager.allreduce(counted, reduce_op=ReduceOp.SUM).wait()
         committed = manager.should_commit()
+        if counted is not None:
+            _unflatten_into(stats, counted if committed else torch.zeros_like(counted))  # rerun: recount
         if committed:
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _unflatten_into(grads, flat)
             loss.copy_(flat[-1])
             assert self.loader is not None
             self.position = self.loader.state_dict()
@@ -179,6 +186,14 @@ class ReplicaGroup:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+
+
+def _unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors``, in order."""
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
 
 
 def local_shards(state: dict[str, Any]) -> dict[str, Any]:

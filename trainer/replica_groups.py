@@ -28,8 +28,8 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # How long the Lighthouse waits for a replica's heartbeat before forming a quorum without it: the
 # survivors' stall after a replica dies (its gloo peers usually see the closed socket sooner).
 HEARTBEAT_TIMEOUT_S = 5.0
-# Splits a replica group cannot have yet: FSDP, TP and PP are tested under a replica's loss and heal.
-UNSUPPORTED_SPLITS = ("cp", "ep")
+# Splits a replica group cannot have yet: FSDP, TP, PP and EP are tested under a replica's loss and heal.
+UNSUPPORTED_SPLITS = ("cp",)
 
 
 def replica_ft_errors(
@@ -54,7 +54,7 @@ def replica_ft_errors(
     if any(degree > 1 for degree in splits.values()):
         now = ", ".join(f"{name}={degree}" for name, degree in splits.items())
         errors.append(
-            "faults.replica_fault_tolerance supports FSDP, TP and PP inside a replica group for now: set "
+            "faults.replica_fault_tolerance supports FSDP, TP, PP and EP inside a replica group for now: set "
             f"parallel.{' and '.join(UNSUPPORTED_SPLITS)} to 1 (now {now}), or turn it off"
         )
     if faults.min_nodes is not None:

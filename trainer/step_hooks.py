@@ -5,6 +5,8 @@ bias) is called once per step, after the optimizer, with a function that sums a 
 ranks holding the same module but seeing different tokens: data-parallel replicas and shards (ep ranks
 are among them) and context-parallel ranks. Not tp ranks, which see the same tokens, nor pp ranks, which
 hold other layers. So the loop needs no branch on the model, and the update is the same on every layout.
+What such a module counts during the step it also lists in ``step_statistics()``, so that replica groups
+outside the device mesh (``trainer.replica_ft``) can sum it across replicas first.
 """
 
 from __future__ import annotations
@@ -31,3 +33,14 @@ def after_optimizer_step(parts: Iterable[nn.Module], mesh: DeviceMesh | None = N
             hook = getattr(module, "after_optimizer_step", None)
             if hook is not None:
                 hook(sum_over_data_ranks)
+
+
+def step_statistics(parts: Iterable[nn.Module]) -> list[Tensor]:
+    """The tensors modules counted this step for their ``after_optimizer_step`` (e.g. expert loads)."""
+    return [
+        tensor
+        for part in parts
+        for module in part.modules()
+        if hasattr(module, "step_statistics")
+        for tensor in module.step_statistics()
+    ]
