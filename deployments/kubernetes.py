@@ -408,12 +408,15 @@ def _jobset(
     success is (the training Jobs done: a Lighthouse never finishes by itself)."""
     ft = len(jobs) > 1
     cluster = run.spec.cluster
+    exclusive = {EXCLUSIVE_TOPOLOGY: defaults["exclusive_topology"]}
     metadata: Manifest = {
         "name": name,
         "namespace": cluster.namespace,
         "labels": {**labels, **({QUEUE_LABEL: cluster.queue} if cluster.queue else {})},
-        "annotations": {EXCLUSIVE_TOPOLOGY: defaults["exclusive_topology"]},
+        **({} if ft else {"annotations": exclusive}),
     }
+    if ft:  # each replica group a topology domain (a TPU slice) of its own; the Lighthouse anywhere
+        jobs[0]["template"]["metadata"]["annotations"] = exclusive
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_API}",
         "kind": "JobSet",

@@ -360,6 +360,10 @@ def test_replica_fault_tolerance_renders_a_job_per_replica_group_restarted_alone
         ("RestartJob", ["node"]),
     ]
     assert jobset["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["node"]}
+    # Exclusive placement per replica group's Job (a slice or node group each), none for the Lighthouse.
+    assert EXCLUSIVE_TOPOLOGY not in jobset["metadata"].get("annotations", {})
+    assert EXCLUSIVE_TOPOLOGY in nodes["template"]["metadata"]["annotations"]
+    assert "annotations" not in lighthouse["template"]["metadata"]
     pod = lighthouse["template"]["spec"]["template"]["spec"]
     (serve,) = pod["containers"]
     assert serve["command"][:3] == ["python", "-m", "trainer.replica_groups"]
