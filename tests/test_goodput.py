@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tessera.cli import app
-from trainer.goodput import account, format_markdown
+from trainer.goodput import account, format_markdown, restart_seconds
 from trainer.plan.goodput_sim import (
     LLAMA3_TABLE5,
     Cluster,
@@ -66,6 +66,25 @@ def test_account_splits_wall_time_across_a_kill() -> None:
     assert breakdown.scheduling_goodput == 16 / 20 and breakdown.runtime_goodput == 8 / 16
     assert "| restarts (fault → training resumed) | 3.0 | 15.0% |" in format_markdown(breakdown)
     assert "= 20.0%" in format_markdown(breakdown)  # 80% × 50% × 50%
+    assert restart_seconds(events) == [3.0]
+
+
+def test_each_restart_is_timed_on_its_own() -> None:
+    """Two torchrun restarts (no launch between): 5 → 9 and 12 → 18; what the sum says, one by one."""
+    events = [
+        {"kind": "launch", "t": 0.0},
+        {"kind": "startup", "t0": 0.0, "t1": 1.0},
+        {"kind": "restore", "t0": 1.0, "t1": 2.0, "step": 0},
+        {"kind": "steps", "t0": 2.0, "t1": 5.0, "first": 1, "last": 3},
+        {"kind": "startup", "t0": 7.0, "t1": 8.0},
+        {"kind": "restore", "t0": 8.0, "t1": 9.0, "step": 0},
+        {"kind": "steps", "t0": 9.0, "t1": 12.0, "first": 1, "last": 3},
+        {"kind": "startup", "t0": 15.0, "t1": 17.0},
+        {"kind": "restore", "t0": 17.0, "t1": 18.0, "step": 0},
+        {"kind": "steps", "t0": 18.0, "t1": 22.0, "first": 1, "last": 4},
+    ]
+    assert restart_seconds(events) == [4.0, 6.0]
+    assert account(events).seconds["restart"] == 10.0
 
 
 def one_kind(lost: str, per_hour: float = 1.0) -> FailureModel:

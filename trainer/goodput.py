@@ -24,6 +24,7 @@ leaves no line: the time from an attempt's last line to the next attempt's resto
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -223,18 +224,35 @@ def account(events: list[dict[str, Any]], mfu: float | None = None) -> Breakdown
             seconds["checkpoint" if stall["kind"] == "checkpoint" else "memory_snapshot"] += (
                 stall["t1"] - stall["t0"]
             )
-        launched = max((t for t in launches if t <= attempt.started), default=attempt.started)
         if i == 0:
+            launched = max((t for t in launches if t <= attempt.started), default=attempt.started)
             seconds["scheduling"] += attempt.started - launched
             seconds["startup"] += attempt.restored - attempt.started
         else:
-            previous_end = attempts[i - 1].last_seen
-            waited = max(0.0, attempt.started - max(launched, previous_end))
+            restart, waited = _restart(attempts[i - 1], attempt, launches)
             seconds["scheduling"] += waited
-            seconds["restart"] += attempt.restored - previous_end - waited
+            seconds["restart"] += restart
     seconds["other"] = max(0.0, wall - sum(seconds.values()))
     kept = max((s["last"] for s in attempts[-1].spans), default=attempts[-1].resumed_step)
     return Breakdown(wall, seconds, len(attempts) - 1, steps_lost, kept, mfu)
+
+
+def _restart(previous: Attempt, attempt: Attempt, launches: list[float]) -> tuple[float, float]:
+    """(restart, waited): from ``previous``'s last line to ``attempt``'s restore, less the time from a
+    retry's launch to its process (scheduling, not restarting). torchrun's own restarts launch nothing:
+    all of their gap is restart."""
+    launched = max((t for t in launches if t <= attempt.started), default=None)
+    waited = 0.0
+    if launched is not None and launched >= previous.last_seen:
+        waited = attempt.started - launched
+    return attempt.restored - previous.last_seen - waited, waited
+
+
+def restart_seconds(events: list[dict[str, Any]]) -> list[float]:
+    """Each restart's seconds from fault to training resumed, in order (their sum is ``restart``)."""
+    attempts = attempts_of(events)
+    launches = [e["t"] for e in events if e["kind"] == "launch"]
+    return [_restart(a, b, launches)[0] for a, b in itertools.pairwise(attempts)]
 
 
 def account_run(goodput_file: Path, metrics_file: Path) -> Breakdown:
