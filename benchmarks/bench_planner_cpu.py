@@ -10,9 +10,10 @@ over gloo, and its median step time after warm-up is compared with ``make_plan(.
 - scaling: three model sizes over 1, 2 and 4 processes (FSDP, same global batch), predicted and
   measured side by side in ``benchmarks/results/planner_cpu_scaling.png``.
 
-A CPU box shared with other work is noisy. Calibration keeps each microbenchmark's best sample (what
-the host can do), while a step's time is the median of what it did, so other load shows as measured
-above predicted: the load average before and after is recorded, and a run should be repeated.
+A CPU box shared with other work is noisy. Calibration measures the rates a step sustains (medians of
+windows of back-to-back calls, every process of a group busy at once) and a step's time is the median
+of what it did, so a rare burst falls out of both; load that lasts shows as measured above predicted:
+the load average before and after is recorded, and a run should be repeated.
 Minutes, not seconds (one torchrun per row).
 
     python -m benchmarks.bench_planner_cpu   # writes benchmarks/results/planner_cpu.json (+ .png)

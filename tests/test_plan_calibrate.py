@@ -1,5 +1,6 @@
 """The planner's calibrated host terms: FSDP2's and TP's measured round trips, less what the plan prices
-already, and the element-wise bandwidth a real block reaches."""
+already, the element-wise bandwidth a real block reaches, the shares of a host its processes get, and
+how calibration turns timings into the rates a step sustains."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from trainer.backends.chips import get_chip
 from trainer.config import CheckpointConfig, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.model import TransformerBlock, rope_table
-from trainer.plan import make_plan
+from trainer.plan import calibrate, make_plan
 from trainer.plan.calibrate import PROBE_BLOCK, fit_round_trip, narrow_to_one_tp_rank
 from trainer.plan.comms import collective_seconds, layer_comms, link_of, place
 from trainer.plan.compute import block_seconds, elementwise_bytes, fsdp_copy_bytes, optimizer_seconds
@@ -94,12 +95,82 @@ def test_fsdp_host_work_adds_per_unit_and_sync_and_only_where_measured(tmp_path:
         assert dp_shard_s(measured, other) == dp_shard_s(unmeasured, other)
 
 
-def test_fsdp_round_trip_scales_with_the_hosts_share(tmp_path: Path) -> None:
-    """Four processes on a host that gives each half of it take twice as long for the same work."""
-    hw = cpu_profile(tmp_path)
-    halved = replace(hw, compute_share_by_ranks={2: 0.5})
-    assert halved.on_node(2).fsdp_round_trip(2) == pytest.approx((2 * LATENCY, 2 * PER_BYTE))
+def test_round_trips_scale_with_the_hosts_share_beyond_what_they_were_measured_under(tmp_path: Path) -> None:
+    """A round trip measured in a group of n busy processes already includes their contention: a host
+    running more processes (each with a smaller share) slows it by the share measured for n over its
+    own, and one running n processes not at all (four processes on two cores are not slowed twice)."""
+    hw = replace(cpu_profile(tmp_path), compute_share_by_ranks={2: 1.0, 4: 0.5})
+    four_ranks = {2: (LATENCY, PER_BYTE), 4: (3 * LATENCY, 2 * PER_BYTE)}
+    hw = replace(hw, fsdp_round_trip_by_ranks=four_ranks, tp_round_trip_by_ranks=four_ranks)
+    assert hw.on_node(2).fsdp_round_trip(2) == pytest.approx((LATENCY, PER_BYTE))
+    four = hw.on_node(4)
+    assert four.fsdp_round_trip(4) == pytest.approx((3 * LATENCY, 2 * PER_BYTE))
+    assert four.fsdp_round_trip(2) == pytest.approx((2 * LATENCY, 2 * PER_BYTE))  # HSDP's 2-rank shards
+    assert four.tp_round_trip(2) == pytest.approx((2 * LATENCY, 2 * PER_BYTE))
+    assert hw.on_node(8).fsdp_round_trip(4) == pytest.approx((6 * LATENCY, 4 * PER_BYTE))
     assert hw.fsdp_round_trip(1) == (0.0, 0.0)
+
+
+def test_a_host_optimizer_step_streams_the_per_tensor_loops_passes(tmp_path: Path) -> None:
+    """CPU: torch's per-tensor AdamW (80 B per parameter) plus clipping (12 B); accelerators keep the
+    foreach count (40 B), so catalog chips' plans do not move."""
+    hw = replace(cpu_profile(tmp_path, hbm_bandwidth=20e9), kernel_overhead_s=0.0)
+    geo = Geometry(ModelConfig(preset="small"), ParallelConfig(), TRAIN, "cpu")
+    assert optimizer_seconds(geo, hw) == pytest.approx(92 * geo.chip_params / 20e9)
+    gpu = replace(catalog_profile(get_chip("h100-sxm")), kernel_overhead_s=0.0)
+    gpu_geo = Geometry(ModelConfig(preset="small"), ParallelConfig(), TRAIN, "h100-sxm")
+    assert optimizer_seconds(gpu_geo, gpu) == pytest.approx(40 * gpu_geo.chip_params / gpu.hbm_bandwidth)
+
+
+class FakeClock:
+    """``time.perf_counter`` for a function whose calls take the listed seconds in turn."""
+
+    def __init__(self, costs: list[float]) -> None:
+        self.now, self.costs = 0.0, iter(costs)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def call(self) -> None:
+        self.now += next(self.costs)
+
+
+def test_sustained_time_is_the_median_window_with_its_interruptions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each window's mean counts what interrupts it (a step's time does), the median over windows
+    leaves out a window a neighbour's burst fell in (as the step median does), and the best window is
+    not what a step sustains."""
+    # windows of 4 calls: one interrupted call each (1 + 1 + 1 + 5), except a burst window and a quiet one
+    windows = [[1, 1, 1, 5], [1, 1, 5, 1], [9, 9, 9, 9], [1, 5, 1, 1], [1, 1, 1, 1]]
+    clock = FakeClock([c for window in windows for c in window])
+    monkeypatch.setattr(calibrate.time, "perf_counter", clock.perf_counter)
+    assert calibrate._window_median(clock.call, calls=4, windows=5) == pytest.approx(2.0)
+
+
+def test_calls_lasting_a_window_count_the_warm_up_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock([100.0] + [1.0] * 10)  # a slow first call (warm-up), then 1 s calls
+    monkeypatch.setattr(calibrate.time, "perf_counter", clock.perf_counter)
+    assert calibrate._calls_lasting(clock.call, window_s=3.0) == 4
+
+
+def test_a_processs_share_is_its_sustained_rate_never_above_its_cores() -> None:
+    assert calibrate.share(1.0, 1.25, world=2, cores=2) == pytest.approx(0.8)
+    assert calibrate.share(1.0, 0.9, world=2, cores=2) == 1.0  # faster together: noise, not a gain
+    assert calibrate.share(1.0, 1.6, world=4, cores=2) == 0.5  # four processes on two cores
+    assert calibrate.share(1.0, 3.0, world=4, cores=2) == pytest.approx(1 / 3)
+
+
+def test_the_fsdp_round_trip_stack_runs_its_blocks_in_a_row() -> None:
+    """Calibration shards a stack of blocks (so each unit's gather is prefetched behind its
+    predecessor's compute, as in training): the stack is the blocks applied in turn."""
+    cfg = ModelConfig(preset="tiny")
+    stack = calibrate.BlockStack(cfg, calibrate.FSDP_STACK)
+    assert len(stack.layers) == calibrate.FSDP_STACK > 1
+    rope = rope_table(cfg.head_dim, 16, cfg.rope_theta)
+    x = torch.randn(2, 16, cfg.dim)
+    expected = x
+    for block in stack.layers:
+        expected = block(expected, rope)
+    torch.testing.assert_close(stack(x, rope), expected)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full"])

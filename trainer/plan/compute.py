@@ -158,12 +158,20 @@ def embedding_seconds(geo: Geometry, hw: HardwareProfile) -> float:
 # AdamW's foreach step reads p, g, m, v and writes p, m, v in fp32 (28 B/param); clipping reads the
 # gradients for the norm and scales them (12 B/param): 40 B per local parameter.
 OPTIMIZER_BYTES_PER_PARAM = 40
+# On CPU torch runs AdamW's per-tensor loop (foreach kernels are for accelerators only), one unfused op
+# at a time, counted from torch.optim.adam._single_tensor_adam in fp32: decoupled weight decay p.mul_
+# (8 B/param), exp_avg.lerp_(g) (12), exp_avg_sq.mul_ (8) then .addcmul_(g, g) (12), the denominator
+# v.sqrt() / √bc₂ + ε in three passes through temporaries (24), p.addcdiv_(m, denom) (16): 80 B; with
+# clipping's 12, 92 B per local parameter.
+HOST_OPTIMIZER_BYTES_PER_PARAM = 92
 OPTIMIZER_KERNELS_PER_TENSOR = 12  # torch's per-tensor AdamW loop (what the trainer runs on CPU)
 TENSORS_PER_BLOCK = 9  # 7 projections + 2 norm gains
 
 
 def optimizer_seconds(geo: Geometry, hw: HardwareProfile) -> float:
-    """The optimizer step: memory-bound over the chip's parameters; on CPU plus per-tensor dispatch."""
+    """The optimizer step: memory-bound over the chip's parameters (foreach kernels on accelerators, the
+    per-tensor loop's passes on CPU); on CPU plus per-tensor dispatch."""
     tensors = TENSORS_PER_BLOCK * geo.layers_per_stage + 3
     kernels = OPTIMIZER_KERNELS_PER_TENSOR * (tensors if hw.host_bound else 1)
-    return with_launches(memory_seconds(OPTIMIZER_BYTES_PER_PARAM * geo.chip_params, hw), kernels, hw)
+    per_param = HOST_OPTIMIZER_BYTES_PER_PARAM if hw.host_bound else OPTIMIZER_BYTES_PER_PARAM
+    return with_launches(memory_seconds(per_param * geo.chip_params, hw), kernels, hw)

@@ -83,8 +83,9 @@ class HardwareProfile:
     def on_node(self, processes: int) -> HardwareProfile:
         """This profile for ``processes`` per host: where calibration measured how much of the host
         each of n busy processes gets (CPU: cores, memory bandwidth, and whatever else runs there),
-        scale the compute, dispatch rate and FSDP and TP round trips by the compute share measured for
-        the nearest n, and the bandwidths by the memory share."""
+        scale the compute and dispatch rate by the compute share measured for the nearest n, the
+        bandwidths by the memory share, and the FSDP and TP round trips by what the host's share falls
+        short of the one they were measured under (:meth:`_slowed`)."""
         if processes == 1 or not self.compute_share_by_ranks:
             return self
         share = _share(self.compute_share_by_ranks, processes)
@@ -95,9 +96,21 @@ class HardwareProfile:
             hbm_bandwidth=self.hbm_bandwidth * memory,
             elementwise_bandwidth=self.elementwise_bandwidth * memory,
             kernel_overhead_s=self.kernel_overhead_s / share,
-            fsdp_round_trip_by_ranks=_slowed(self.fsdp_round_trip_by_ranks, share),
-            tp_round_trip_by_ranks=_slowed(self.tp_round_trip_by_ranks, share),
+            fsdp_round_trip_by_ranks=self._slowed(self.fsdp_round_trip_by_ranks, share),
+            tp_round_trip_by_ranks=self._slowed(self.tp_round_trip_by_ranks, share),
         )
+
+    def _slowed(
+        self, by_ranks: dict[int, tuple[float, float]], share: float
+    ) -> dict[int, tuple[float, float]]:
+        """Round trips measured in a group of n busy processes, for a host running processes at
+        ``share`` each: slowed by the measured n-process share over ``share`` (the n-process figure
+        already includes the n processes' own contention, so only the difference applies)."""
+        slowed = {}
+        for n, (latency, per_byte) in by_ranks.items():
+            factor = _share(self.compute_share_by_ranks, n) / share
+            slowed[n] = (latency * factor, per_byte * factor)
+        return slowed
 
     def peak(self, precision: MatmulPrecision) -> float:
         return self.peak_flops[precision]
@@ -129,10 +142,6 @@ def _nearest(by_ranks: dict[int, tuple[float, float]], ranks: int) -> tuple[floa
     if ranks == 1 or not by_ranks:
         return 0.0, 0.0
     return by_ranks[min(by_ranks, key=lambda n: (abs(n - ranks), -n))]
-
-
-def _slowed(by_ranks: dict[int, tuple[float, float]], share: float) -> dict[int, tuple[float, float]]:
-    return {n: (latency / share, per_byte / share) for n, (latency, per_byte) in by_ranks.items()}
 
 
 def catalog_profile(chip: Chip) -> HardwareProfile:

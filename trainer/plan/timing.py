@@ -123,9 +123,10 @@ def fsdp_host_seconds(geo: Geometry, hw: HardwareProfile, shard: DimPlacement, p
     each collective (wall time, on two sequences of a training length).
 
     ``tessera calibrate`` times FSDP2's round trip of a transformer block (fp32, resharded: two
-    all-gathers and a reduce-scatter, with everything around them) as t = λ + 4P·r over its parameter
-    bytes; the part priced already (those collectives' α–β, and the copies of ``fsdp_copy_bytes`` at
-    memory bandwidth) is taken off, and the rest scales with the layout's traffic, gathers·e + 4 bytes
+    all-gathers and a reduce-scatter, with everything around them; per block of a stack of them under a
+    root unit, so each gather is prefetched while the previous block computes, as in training) as
+    t = λ + 4P·r over its parameter bytes; the part priced already (those collectives' α–β, and the
+    copies of ``fsdp_copy_bytes`` at memory bandwidth) is taken off, and the rest scales with the layout's traffic, gathers·e + 4 bytes
     per parameter against the measured 2·4 + 4. Zero where nothing was measured: an accelerator's host
     runs this work ahead of the device queue.
     """
