@@ -16,7 +16,7 @@ from trainer.config import CheckpointConfig, HardwareConfig, ModelConfig, Parall
 from trainer.model import TransformerBlock, rope_table
 from trainer.plan import calibrate, make_plan
 from trainer.plan.calibrate import PROBE_BLOCK, fit_round_trip, narrow_to_one_tp_rank
-from trainer.plan.comms import collective_seconds, layer_comms, link_of, place
+from trainer.plan.comms import collective_seconds, fsdp_placement, layer_comms, link_of, place
 from trainer.plan.compute import block_seconds, elementwise_bytes, fsdp_copy_bytes, optimizer_seconds
 from trainer.plan.kernels import memory_seconds
 from trainer.plan.layout import Geometry
@@ -29,14 +29,19 @@ TRAIN = TrainConfig(seq_len=128, global_batch_size=8, micro_batch_size=1)
 HARDWARE = HardwareConfig(chips_per_node=2)
 
 
-def cpu_profile(tmp_path: Path, fsdp: bool = True, tp: bool = True, **figures: float) -> HardwareProfile:
-    """The catalog CPU with one calibrated 2-rank group (as `tessera calibrate` writes it)."""
+def cpu_profile(
+    tmp_path: Path, fsdp: bool = True, tp: bool = True, alone: bool = False, **figures: float
+) -> HardwareProfile:
+    """The catalog CPU with one calibrated 2-rank group (as `tessera calibrate` writes it), and with
+    ``alone`` FSDP's round trip on a one-process mesh at half the group's."""
     group = {"ranks": 2, "latency_s": 2e-4, "bandwidth": 1.5e9, "reduce_scatter_factor": 1.3}
     group |= {"compute_share": 1.0}
     if fsdp:
         group |= {"fsdp_latency_s": LATENCY, "fsdp_s_per_byte": PER_BYTE}
     if tp:
         group |= {"tp_latency_s": TP_LATENCY, "tp_s_per_byte": TP_PER_BYTE}
+    if alone:
+        figures |= {"fsdp_alone": {"latency_s": LATENCY / 2, "s_per_byte": PER_BYTE / 2}}  # type: ignore[dict-item]
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({"chip": "cpu", "collectives": [group], **figures}))
     return load_profile(get_chip("cpu"), path)
@@ -93,6 +98,33 @@ def test_fsdp_host_work_adds_per_unit_and_sync_and_only_where_measured(tmp_path:
     # DDP has no FSDP units; pure TP none either
     for other in (ParallelConfig(dp_replicate=2), ParallelConfig(tp=2)):
         assert dp_shard_s(measured, other) == dp_shard_s(unmeasured, other)
+
+
+def test_a_layout_wrapped_in_fsdp_on_one_rank_pays_its_own_round_trip_every_micro_batch(
+    tmp_path: Path,
+) -> None:
+    """TP alone: the trainer wraps the model in FSDP on a one-process mesh anyway, whose round trip
+    calibration measures alone (a group's includes its ranks waiting for each other), and it gathers on
+    every micro-batch. DDP holds no FSDP."""
+    model = ModelConfig(preset="small")
+    alone, without = cpu_profile(tmp_path, alone=True), cpu_profile(tmp_path)
+    assert alone.fsdp_round_trip(1) == (LATENCY / 2, PER_BYTE / 2) and without.fsdp_round_trip(1) == (0, 0)
+    assert alone.fsdp_round_trip(2) == alone.fsdp_round_trip(4) == (LATENCY, PER_BYTE)
+
+    def dp_shard_s(profile: HardwareProfile, parallel: ParallelConfig) -> float:
+        plan = make_plan(model, parallel, TRAIN, HARDWARE, CheckpointConfig(), profile=profile)
+        return plan.time_breakdown.exposed_comm_s["dp_shard"]
+
+    tp = ParallelConfig(tp=2)
+    geo = Geometry(model, tp, TRAIN, "cpu")
+    placed = fsdp_placement({p.dim: p for p in place(geo, alone, HARDWARE)})
+    one_round = geo.layers_per_stage * fsdp_host_seconds(geo, alone, placed, geo.layer_params_tp)
+    one_round += fsdp_host_seconds(geo, alone, placed, geo.root_params_tp)
+    assert one_round > 0
+    # 8 micro-batches (global 8, micro 1, no data parallelism)
+    assert dp_shard_s(alone, tp) - dp_shard_s(without, tp) == pytest.approx(8 * one_round)
+    ddp = ParallelConfig(dp_replicate=2)
+    assert dp_shard_s(alone, ddp) == dp_shard_s(without, ddp) == 0
 
 
 def test_round_trips_scale_with_the_hosts_share_beyond_what_they_were_measured_under(tmp_path: Path) -> None:

@@ -394,6 +394,25 @@ def fit_round_trip(rows: list[dict[str, float]]) -> tuple[float, float]:
     return max(0.0, small["seconds"] - per_byte * small["bytes"]), per_byte
 
 
+def fsdp_alone() -> dict[str, float]:
+    """FSDP2's round trip on a one-process mesh, as t = λ + P·r: what a layout that splits the model
+    but not its data (TP, PP, CP or EP with dp_shard = 1) pays, since the trainer wraps those in FSDP
+    too, for one parameter type and mixed precision (``trainer/parallel/parallelize.py``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "fsdp.json")
+        mp.spawn(_fsdp_alone_worker, args=(_free_port(), out), nprocs=1, join=True)
+        latency, per_byte = fit_round_trip(json.loads(Path(out).read_text()))
+    return {"latency_s": latency, "s_per_byte": per_byte}
+
+
+def _fsdp_alone_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    Path(out).write_text(json.dumps(_fsdp_round_trips()))
+    dist.destroy_process_group()
+
+
 def _collective_worker(rank: int, world: int, port: int, out: str, calls: dict[str, int]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -502,6 +521,7 @@ def measure(max_ranks: int = 4) -> dict[str, Any]:
         **kernels,
         **block_figures(probe),
         "collectives": [collective_link(n, alone) for n in ranks],
+        "fsdp_alone": fsdp_alone(),
         "gemm_grid": grids,
     }
 

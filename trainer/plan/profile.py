@@ -108,7 +108,8 @@ class HardwareProfile:
         already includes the n processes' own contention, so only the difference applies)."""
         slowed = {}
         for n, (latency, per_byte) in by_ranks.items():
-            factor = _share(self.compute_share_by_ranks, n) / share
+            measured = 1.0 if n == 1 else _share(self.compute_share_by_ranks, n)  # 1: measured alone
+            factor = measured / share
             slowed[n] = (latency * factor, per_byte * factor)
         return slowed
 
@@ -139,9 +140,14 @@ def _share(by_ranks: dict[int, float], processes: int) -> float:
 
 
 def _nearest(by_ranks: dict[int, tuple[float, float]], ranks: int) -> tuple[float, float]:
-    if ranks == 1 or not by_ranks:
+    """The figure of the nearest group size measured; a lone process (FSDP on a 1-rank mesh) only its
+    own, since a group's figures include its ranks waiting for each other."""
+    if ranks == 1:
+        return by_ranks.get(1, (0.0, 0.0))
+    groups = [n for n in by_ranks if n > 1]
+    if not groups:
         return 0.0, 0.0
-    return by_ranks[min(by_ranks, key=lambda n: (abs(n - ranks), -n))]
+    return by_ranks[min(groups, key=lambda n: (abs(n - ranks), -n))]
 
 
 def catalog_profile(chip: Chip) -> HardwareProfile:
@@ -177,7 +183,8 @@ def load_profile(chip: Chip, path: str | Path | None) -> HardwareProfile:
     The file is what ``tessera calibrate`` writes: ``peak_flops`` per precision, the figures named in
     ``CALIBRATED_FIGURES``, and ``collectives`` as ``[{"ranks", "latency_s", "bandwidth", ...}]``, each
     with its reduce-scatter and all-reduce factors, compute share, and FSDP2 and TP round trips
-    (``fsdp_latency_s``, ``fsdp_s_per_byte``, ``tp_latency_s``, ``tp_s_per_byte``) where measured.
+    (``fsdp_latency_s``, ``fsdp_s_per_byte``, ``tp_latency_s``, ``tp_s_per_byte``) where measured, and
+    ``fsdp_alone``, FSDP2's round trip on a one-process mesh.
     """
     profile = catalog_profile(chip)
     if path is None:
@@ -203,8 +210,11 @@ def load_profile(chip: Chip, path: str | Path | None) -> HardwareProfile:
             updates[f"{kind}_share_by_ranks"] = {
                 c["ranks"]: c[f"{kind}_share"] for c in data["collectives"] if f"{kind}_share" in c
             }
-        for kind in ("fsdp", "tp"):
-            updates[f"{kind}_round_trip_by_ranks"] = {
+        # FSDP on a one-process mesh, where measured (see calibrate.fsdp_alone), and in each group.
+        alone = data.get("fsdp_alone")
+        fsdp = {1: (alone["latency_s"], alone["s_per_byte"])} if alone else {}
+        for kind, by_ranks in (("fsdp", fsdp), ("tp", {})):
+            updates[f"{kind}_round_trip_by_ranks"] = by_ranks | {
                 c["ranks"]: (c[f"{kind}_latency_s"], c[f"{kind}_s_per_byte"])
                 for c in data["collectives"]
                 if f"{kind}_s_per_byte" in c

@@ -130,7 +130,9 @@ def fsdp_host_seconds(geo: Geometry, hw: HardwareProfile, shard: DimPlacement, p
     per parameter against the measured 2·4 + 4. Zero where nothing was measured: an accelerator's host
     runs this work ahead of the device queue.
     """
-    latency, per_byte = hw.fsdp_round_trip(shard.degree)
+    if geo.replicated:  # DDP holds the parameters: no FSDP at all
+        return 0.0
+    latency, per_byte = hw.fsdp_round_trip(shard.degree)  # degree 1: FSDP on a one-process mesh
     if not latency and not per_byte:
         return 0.0
     size, link, n = FP32 * params, link_of(shard), shard.degree
@@ -139,6 +141,13 @@ def fsdp_host_seconds(geo: Geometry, hw: HardwareProfile, shard: DimPlacement, p
     copies = memory_seconds(fsdp_copy_bytes(geo) * params / geo.layer_params_tp, hw)
     rest = max(0.0, latency + per_byte * size - collectives - copies)
     return rest * (gathers_per_sync(geo) * geo.compute_bytes + FP32) / (3 * FP32)
+
+
+def fsdp_rounds(geo: Geometry) -> int:
+    """FSDP round trips per step: one per micro-batch (each gathers the blocks, also on a one-process
+    mesh, where the gradients wait for the last one), or one for a pipeline stage, which stays gathered
+    across its micro-batches."""
+    return geo.microbatches if geo.parallel.pp == 1 else 1
 
 
 def tp_host_seconds(geo: Geometry, hw: HardwareProfile, tp: DimPlacement, comms: LayerComms) -> float:
@@ -206,7 +215,7 @@ def step_time(
     exposed = {
         "tp": m * tp,
         "cp": m * geo.layers_per_stage * ring,
-        "dp_shard": syncs * (shard + root_reduce + fsdp_host) + root_gather,
+        "dp_shard": syncs * (shard + root_reduce) + fsdp_rounds(geo) * fsdp_host + root_gather,
         "dp_replicate": syncs * (replicate + root_all_reduce),
         "pp": m * pp,
         "ep": by_dim["ep"].time_s if "ep" in by_dim else 0.0,  # see experts.py: nothing hides it
