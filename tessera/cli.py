@@ -166,8 +166,9 @@ def calibrate(
     ] = 4,
 ) -> None:
     """Measure this machine (GEMM throughput over shapes, memory bandwidth, kernel overhead, a real
-    block's matmul and element-wise rates; per process-group size: collective α/β, compute and memory
-    shares, FSDP and TP block round trips) and write a chip profile for `tessera plan --profile`.
+    block's matmul and element-wise rates, FSDP's round trip on one process; per process-group size:
+    collective α/β, compute and memory shares, FSDP and TP block round trips) and write a chip profile
+    for `tessera plan --profile`.
 
     Example: tessera calibrate --out runs/calibration/cpu.json
     """
