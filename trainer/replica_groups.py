@@ -116,7 +116,7 @@ def start_lighthouse(
 
 
 def replica_commands(job: JobConfig, job_json: Path, run_dir: Path, lighthouse: str) -> list[list[str]]:
-    """argv of one standalone torchrun per replica group (its FSDP ranks on this host), each with its
+    """argv of one standalone torchrun per replica group (all its ranks on this host), each with its
     own ``faults.max_restarts``; the replica id and the Lighthouse's address reach the workers through
     ``env``."""
     from trainer.launch import torchrun_command  # the launcher imports this module, not the reverse
