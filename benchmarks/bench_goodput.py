@@ -221,7 +221,8 @@ def calibrated(run_dir: Path, measured: Breakdown, chips: int) -> Cluster:
     """
     step_s = median_step_s(run_dir)
     warmup_s = (measured.seconds["productive"] - step_s * measured.steps_kept) / (measured.restarts + 1)
-    saves = sum(1 for e in read_events(RunDir(run_dir).goodput) if e["kind"] == "checkpoint" and e["step"])
+    events = read_events(RunDir(run_dir).goodput)
+    saves = sum(1 for e in events if e["kind"] == "checkpoint" and e["step"])
     return Cluster(
         chips=chips,
         step_s=step_s,
@@ -229,7 +230,7 @@ def calibrated(run_dir: Path, measured: Breakdown, chips: int) -> Cluster:
         memory=None,
         peer_restore_s=0.0,
         startup_s=measured.seconds["startup"] + warmup_s,
-        restart_s=statistics.median(restart_seconds(read_events(RunDir(run_dir).goodput))) + warmup_s,
+        restart_s=statistics.median(restart_seconds(events)) + warmup_s,
         detect_exit_s=0.0,
         detect_timeout_s=0.0,
         reschedule_s=0.0,

@@ -178,10 +178,12 @@ def jobset_name(run: Run) -> str:
     return f"{spec_part[: budget - len(token) - 1].rstrip('-')}-{token}"
 
 
-def pod_hostnames(run: Run, group: int | str = 0) -> list[str]:
-    """Each pod's DNS name in replica group ``group`` (``$(REPLICA_GROUP_ID)``: the pod's own) through
-    the JobSet's headless Service, by completion index."""
+def pod_hostnames(run: Run) -> list[str]:
+    """Each pod's DNS name in this pod's Job through the JobSet's headless Service, by completion index:
+    the whole gang, or with replica fault tolerance the pod's replica group (``$(REPLICA_GROUP_ID)``,
+    which Kubernetes expands from the pod's environment)."""
     name = jobset_name(run)
+    group = f"$({REPLICA_ENV})" if replica_groups(run.spec) > 1 else 0
     return [
         f"{name}-{REPLICATED_JOB}-{group}-{index}.{name}"
         for index in range(run.spec.cluster.nodes // replica_groups(run.spec))
@@ -244,9 +246,7 @@ def pod_env(run: Run) -> list[dict[str, Any]]:
     the pod's replica group (its Job's index in the JobSet) and where the Lighthouse is."""
     env = backend_env(run)
     env.append({"name": "NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}})
-    group: int | str = 0
-    if replica_groups(run.spec) > 1:
-        group = f"$({REPLICA_ENV})"  # Kubernetes expands a variable defined earlier in the list
+    if replica_groups(run.spec) > 1:  # before the TPU hosts: Kubernetes expands earlier variables only
         name = jobset_name(run)
         env += [
             {"name": REPLICA_ENV, "valueFrom": {"fieldRef": {"fieldPath": JOB_INDEX}}},
@@ -255,7 +255,7 @@ def pod_env(run: Run) -> list[dict[str, Any]]:
     if run.spec.cluster.accelerator == "tpu":
         env += [
             {"name": "TPU_WORKER_ID", "value": "$(NODE_RANK)"},
-            {"name": "TPU_WORKER_HOSTNAMES", "value": ",".join(pod_hostnames(run, group))},
+            {"name": "TPU_WORKER_HOSTNAMES", "value": ",".join(pod_hostnames(run))},
         ]
     return env
 
@@ -298,7 +298,7 @@ def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
     nodes = spec.cluster.nodes // groups  # of each Job: a replica group, or the whole gang
     torchrun = run.torchrun_command(
         node_rank=0,
-        rdzv_endpoint=f"{pod_hostnames(run, f'$({REPLICA_ENV})' if groups > 1 else 0)[0]}:{RDZV_PORT}",
+        rdzv_endpoint=f"{pod_hostnames(run)[0]}:{RDZV_PORT}",
         job_path=Path(JOB_DIR, "job.json"),
         run_dir=Path(RUN_DIR),
         python="python",  # the image's interpreter, not this host's sys.executable

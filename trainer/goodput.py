@@ -225,8 +225,9 @@ def account(events: list[dict[str, Any]], mfu: float | None = None) -> Breakdown
                 stall["t1"] - stall["t0"]
             )
         if i == 0:
-            launched = max((t for t in launches if t <= attempt.started), default=attempt.started)
-            seconds["scheduling"] += attempt.started - launched
+            launched = _last_launch(launches, attempt)
+            if launched is not None:
+                seconds["scheduling"] += attempt.started - launched
             seconds["startup"] += attempt.restored - attempt.started
         else:
             restart, waited = _restart(attempts[i - 1], attempt, launches)
@@ -241,11 +242,17 @@ def _restart(previous: Attempt, attempt: Attempt, launches: list[float]) -> tupl
     """(restart, waited): from ``previous``'s last line to ``attempt``'s restore, less the time from a
     retry's launch to its process (scheduling, not restarting). torchrun's own restarts launch nothing:
     all of their gap is restart."""
-    launched = max((t for t in launches if t <= attempt.started), default=None)
+    launched = _last_launch(launches, attempt)
     waited = 0.0
     if launched is not None and launched >= previous.last_seen:
         waited = attempt.started - launched
     return attempt.restored - previous.last_seen - waited, waited
+
+
+def _last_launch(launches: list[float], attempt: Attempt) -> float | None:
+    """The last launch before ``attempt``'s process started (None: it was never launched, e.g. a bare
+    torchrun)."""
+    return max((t for t in launches if t <= attempt.started), default=None)
 
 
 def restart_seconds(events: list[dict[str, Any]]) -> list[float]:

@@ -405,18 +405,21 @@ def fsdp_alone() -> dict[str, float]:
     return {"latency_s": latency, "s_per_byte": per_byte}
 
 
-def _fsdp_alone_worker(rank: int, port: int, out: str) -> None:
+def _join_gloo(rank: int, world: int, port: int) -> None:
+    """A spawned worker's one-thread process, in a gloo group of ``world`` on this host."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _fsdp_alone_worker(rank: int, port: int, out: str) -> None:
+    _join_gloo(rank, 1, port)
     Path(out).write_text(json.dumps(_fsdp_round_trips()))
     dist.destroy_process_group()
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str, calls: dict[str, int]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join_gloo(rank, world, port)
     concurrent = {name: _concurrent_seconds(work, calls[name]) for name, work in share_work().items()}
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     timings = []
