@@ -320,7 +320,13 @@ def test_the_lighthouse_pods_entry_point_serves_until_sigterm(tmp_path: Path) ->
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert server.stdout is not None
-        assert "Lighthouse for 2 replica groups" in server.stdout.readline()
+        seen = []  # torchft's own log lines (stderr) may come before ours: ours says it is listening
+        for line in server.stdout:
+            seen.append(line)
+            if "Lighthouse for 2 replica groups" in line:
+                break
+        else:
+            pytest.fail(f"the Lighthouse exited before serving:\n{''.join(seen)}")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10) as page:
             assert page.status == 200 and "quorum" in page.read().decode()
         server.send_signal(signal.SIGTERM)
