@@ -72,6 +72,19 @@ def test_every_layout_matches_the_single_process_reference(curves: dict[str, Any
 
 
 @pytest.mark.dist
+def test_tensor_parallel_heads_keep_their_logits_split_over_the_vocabulary(curves: dict[str, Any]) -> None:
+    # The loss runs under loss_parallel: no rank gathers T·V logits (the planner's memory and time
+    # models count V/tp per rank).
+    widths = {
+        name: (run["logits_per_rank"], run["vocab_size"] // run["parallel"]["tp"])
+        for name, run in curves["layouts"].items()
+        if run["logits_per_rank"] is not None
+    }
+    assert any("tp2" in name for name in widths), widths
+    assert all(width == expected for width, expected in widths.values()), widths
+
+
+@pytest.mark.dist
 def test_pure_data_parallelism_runs_ddp_and_everything_else_fsdp(curves: dict[str, Any]) -> None:
     # bf16 stays on FSDP (its mixed-precision policy); ddp4 accumulates 2 micro-batches per sync.
     wrappers = {name: run["data_parallel"] for name, run in curves["layouts"].items()}

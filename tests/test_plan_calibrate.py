@@ -143,6 +143,28 @@ def test_round_trips_scale_with_the_hosts_share_beyond_what_they_were_measured_u
     assert hw.fsdp_round_trip(1) == (0.0, 0.0)
 
 
+def test_fsdp_round_trips_slow_with_the_memory_share_and_tp_round_trips_with_the_compute_share(
+    tmp_path: Path,
+) -> None:
+    """FSDP2's own work is copies, allocation and first touch; TP's is DTensor's dispatch. Two processes
+    with a core each get all of the compute but 70% of the memory bandwidth: FSDP on a one-process
+    mesh, measured alone, runs 1/0.7 slower beside another process; TP, measured with both busy, not."""
+    hw = replace(
+        cpu_profile(tmp_path),
+        compute_share_by_ranks={2: 1.0, 4: 0.5},
+        memory_share_by_ranks={2: 0.7, 4: 0.35},
+        fsdp_round_trip_by_ranks={1: (LATENCY, PER_BYTE), 2: (LATENCY, PER_BYTE)},
+        tp_round_trip_by_ranks={2: (LATENCY, PER_BYTE)},
+    )
+    two = hw.on_node(2)
+    assert two.fsdp_round_trip(1) == pytest.approx((LATENCY / 0.7, PER_BYTE / 0.7))
+    assert two.fsdp_round_trip(2) == pytest.approx((LATENCY, PER_BYTE))
+    assert two.tp_round_trip(2) == pytest.approx((LATENCY, PER_BYTE))
+    four = hw.on_node(4)
+    assert four.fsdp_round_trip(2) == pytest.approx((2 * LATENCY, 2 * PER_BYTE))  # 0.7 / 0.35
+    assert four.tp_round_trip(2) == pytest.approx((2 * LATENCY, 2 * PER_BYTE))  # 1.0 / 0.5
+
+
 def test_a_host_optimizer_step_streams_the_per_tensor_loops_passes(tmp_path: Path) -> None:
     """CPU: torch's per-tensor AdamW (80 B per parameter) plus clipping (12 B); accelerators keep the
     foreach count (40 B), so catalog chips' plans do not move."""

@@ -29,6 +29,7 @@ from trainer.config import JobConfig
 from trainer.model import Transformer, param_count
 from trainer.moe import MoE
 from trainer.parallel import ParallelModel, build_parallel_model, token_loss
+from trainer.parallel.context import shard_sequence
 from trainer.step_hooks import after_optimizer_step
 
 WORLD = 4
@@ -154,9 +155,22 @@ def train_layout(job: JobConfig, init_whole: bool) -> dict[str, Any]:
         after_optimizer_step(pm.parts, pm.mesh)
         optimizer.zero_grad()
     check_fqns(pm, job)
+    curves["logits_per_rank"] = logits_per_rank(pm, inputs[:1])
+    curves["vocab_size"] = job.model.vocab_size
     curves["stored_copies"] = stored_copies(pm, job)
     curves["data_parallel"] = data_parallel(pm)
     return curves
+
+
+def logits_per_rank(pm: ParallelModel, inputs: torch.Tensor) -> int | None:
+    """How many vocabulary entries of each token's logits this rank's head produces (None: a pipeline,
+    whose head runs inside its schedule). Under TP, V/tp: the loss runs split, never gathering them."""
+    if pm.stages:
+        return None
+    (model,) = pm.parts
+    with torch.no_grad():
+        logits = model(shard_sequence(inputs, pm.mesh["cp"]))
+    return (logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
 
 
 def reference_name(job: JobConfig) -> str:

@@ -6,6 +6,7 @@ plain gradient accumulation otherwise, and both leave the gradient of the global
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, PipelineSchedule
 from trainer.model import Transformer, param_count
@@ -32,8 +35,22 @@ FULL_INIT_MAX_PARAMS = 2**30
 
 
 def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy over all tokens, in fp32 whatever the compute dtype."""
+    """Mean next-token cross-entropy over all tokens, in fp32 whatever the compute dtype.
+
+    Under tensor parallelism the logits are a DTensor split over the vocabulary, and this (and its
+    backward) must run inside :func:`loss_context`; the loss is then a replicated DTensor."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def loss_context(mesh: DeviceMesh) -> AbstractContextManager[None]:
+    """Where the loss and its backward run: torch's ``loss_parallel`` when tp splits the logits
+    (trainer/parallel/tensor.py), so the softmax reduces over tp ranks instead of gathering them."""
+    return loss_parallel() if mesh["tp"].size() > 1 else nullcontext()
+
+
+def _plain(loss: Tensor) -> Tensor:
+    """A loss value as a plain tensor (loss_parallel's is a replicated DTensor)."""
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 @dataclass
@@ -87,10 +104,11 @@ class ParallelModel:
         chunks = zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True)
         for i, (x, y) in enumerate(chunks):
             sync_gradients_on_last(model, last=i == n_microbatches - 1, whole=whole)
-            with auxiliary_loss_scale(1 / n_microbatches):  # e.g. MoE balancing: weighed like this loss
-                loss = token_loss(model(x), y)
-            (loss / n_microbatches).backward()
-            total += loss.detach()
+            with loss_context(self.mesh):
+                with auxiliary_loss_scale(1 / n_microbatches):  # e.g. MoE balancing: weighed like this loss
+                    loss = token_loss(model(x), y)
+                (loss / n_microbatches).backward()
+            total += _plain(loss.detach())
         return total / n_microbatches
 
     def _pipeline_step(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
@@ -102,15 +120,16 @@ class ParallelModel:
         first = any(stage.is_first for stage in self.stages)
         last = any(stage.is_last for stage in self.stages)
         losses: list[Tensor] = []
-        schedule.step(
-            *([inputs] if first else []),
-            target=targets if last else None,
-            losses=losses if last else None,
-            return_outputs=False,
-        )
+        with loss_context(self.mesh):  # the schedule runs the loss and its backward
+            schedule.step(
+                *([inputs] if first else []),
+                target=targets if last else None,
+                losses=losses if last else None,
+                return_outputs=False,
+            )
         if not last:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.stack([_plain(loss.detach()).float() for loss in losses]).mean()
 
     def _global_mean(self, local: Tensor) -> Tensor:
         """Average over data- and context-parallel ranks, then hand the last pipeline stage's value to every stage."""

@@ -4,6 +4,9 @@ Attention/MLP input projections are column-wise (each rank owns whole heads / a 
 width), output projections row-wise; between blocks activations stay sharded along the sequence so
 norms run on 1/tp of the tokens. Embedding, norms and output are on the same tp mesh too, so after
 FSDP every parameter lives on one 2-D (dp, tp) mesh and a global grad norm is a single reduction.
+The output head leaves the logits split over the vocabulary and the loss is computed that way
+(Megatron's vocab-parallel cross-entropy, torch's ``loss_parallel``): replicated logits would cost
+each rank an all-gather and the whole loss over T·V, 4 GiB per 8k tokens of a 128k vocabulary.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
     if model.norm is not None:
         edges["norm"] = SequenceParallel()
     if model.output is not None:
-        # Replicated logits: the fp32 loss sees whole rows, so no loss-parallel special case.
-        edges["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        # Logits stay split over the vocabulary (a DTensor): the loss runs under loss_parallel
+        # (parallel_model.loss_context), so no rank gathers or holds all T·V of them.
+        edges["output"] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        )
     parallelize_module(model, tp_mesh, edges)
     if model.cfg.tie_embeddings:
         # parallelize_module distributed the two uses separately; both are Shard(0) of [vocab, dim].

@@ -72,7 +72,10 @@ COPY_ELEMENTS = 16 * 2**20  # a 64 MiB fp32 copy: far past any cache
 # is then prefetched while its predecessor computes, and its reduce-scatter runs while its successor's
 # backward does, so the measured cost includes those collectives' contention with compute for the
 # host's cores (a lone unit's has nothing to contend with, and costs about half as much on 2 cores).
-FSDP_UNITS, FSDP_STACK, FSDP_BATCH, FSDP_SEQ, REPEATS = ("tiny", "small"), 4, 2, 128, 9
+FSDP_UNITS, FSDP_STACK, FSDP_BATCH, FSDP_SEQ = ("tiny", "small"), 4, 2, 128
+# Round trips (FSDP's, TP's) are the median of REPEATS wall-time samples after WARMUP, each sample of
+# the wrapped module next to one of its plain twin (see _wall_extra_seconds).
+REPEATS, WARMUP = 15, 2
 # The block whose matmuls and element-wise work calibrate the compute figures, and which tensor
 # parallelism splits (its heads, key/value heads and hidden width divide by 2 and 4).
 PROBE_BLOCK: dict[str, Any] = dict(
@@ -322,7 +325,7 @@ def _fsdp_round_trips() -> list[dict[str, float]]:
         plain, sharded = BlockStack(cfg, FSDP_STACK), shard_stack(BlockStack(cfg, FSDP_STACK))
         rope = rope_table(cfg.head_dim, FSDP_SEQ, cfg.rope_theta)
         x = torch.randn(FSDP_BATCH, FSDP_SEQ, cfg.dim)
-        extra = _wall_round_trip_seconds(sharded, x, rope) - _wall_round_trip_seconds(plain, x, rope)
+        extra = _wall_extra_seconds((sharded, x), (plain, x), rope)
         rows.append(
             {
                 "bytes": FP32_BYTES * sum(p.numel() for p in plain.layers[0].parameters()),
@@ -332,18 +335,30 @@ def _fsdp_round_trips() -> list[dict[str, float]]:
     return rows
 
 
+def _wall_extra_seconds(
+    wrapped: tuple[torch.nn.Module, torch.Tensor],
+    plain: tuple[torch.nn.Module, torch.Tensor],
+    rope: torch.Tensor,
+) -> float:
+    """What forward + backward of ``wrapped`` (a module and its input) takes beyond ``plain``'s: the
+    median wall seconds of each, their samples interleaved so that a slow stretch of a shared host
+    falls on both alike rather than on one of them."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(REPEATS):
+        for (module, x), times in zip((wrapped, plain), samples, strict=True):
+            times.append(_wall_round_trip_seconds(module, x, rope))
+    return statistics.median(samples[0][WARMUP:]) - statistics.median(samples[1][WARMUP:])
+
+
 def _wall_round_trip_seconds(block: torch.nn.Module, x: torch.Tensor, rope: torch.Tensor) -> float:
-    """Median wall seconds of forward + backward, every rank starting together (the same count on each):
+    """Wall seconds of one forward + backward, every rank starting together (the same count on each):
     ranks wait for each other at every collective of an FSDP unit or a TP block, and that wait is part
     of its cost."""
-    samples = []
-    for _ in range(REPEATS):
-        dist.barrier()
-        began = time.perf_counter()
-        out = block(x, rope)
-        (out.to_local() if isinstance(out, DTensor) else out).sum().backward()
-        samples.append(time.perf_counter() - began)
-    return statistics.median(samples[2:])
+    dist.barrier()
+    began = time.perf_counter()
+    out = block(x, rope)
+    (out.to_local() if isinstance(out, DTensor) else out).sum().backward()
+    return time.perf_counter() - began
 
 
 def narrow_to_one_tp_rank(block: torch.nn.Module, world: int) -> None:
@@ -379,8 +394,7 @@ def _tp_round_trips(world: int) -> list[dict[str, float]]:
         rows.append(
             {
                 "bytes": FP32_BYTES * batch * TP_SEQ * full.dim,  # the activation a TP collective assembles
-                "seconds": _wall_round_trip_seconds(split, local, rope)
-                - _wall_round_trip_seconds(plain, x, rope),
+                "seconds": _wall_extra_seconds((split, local), (plain, x), rope),
             }
         )
     return rows

@@ -85,33 +85,23 @@ class HardwareProfile:
         each of n busy processes gets (CPU: cores, memory bandwidth, and whatever else runs there),
         scale the compute and dispatch rate by the compute share measured for the nearest n, the
         bandwidths by the memory share, and the FSDP and TP round trips by what the host's share falls
-        short of the one they were measured under (:meth:`_slowed`)."""
+        short of the one they were measured under (:func:`_slowed`): FSDP's by the memory share (its
+        own work is copies into and out of gathered buffers, allocation and first touch), TP's by the
+        compute share (DTensor's dispatch around every op)."""
         if processes == 1 or not self.compute_share_by_ranks:
             return self
-        share = _share(self.compute_share_by_ranks, processes)
-        memory = _share(self.memory_share_by_ranks, processes) if self.memory_share_by_ranks else share
+        shares = self.compute_share_by_ranks
+        memory_shares = self.memory_share_by_ranks or shares
+        share, memory = _share(shares, processes), _share(memory_shares, processes)
         return replace(
             self,
             peak_flops={name: flops * share for name, flops in self.peak_flops.items()},
             hbm_bandwidth=self.hbm_bandwidth * memory,
             elementwise_bandwidth=self.elementwise_bandwidth * memory,
             kernel_overhead_s=self.kernel_overhead_s / share,
-            fsdp_round_trip_by_ranks=self._slowed(self.fsdp_round_trip_by_ranks, share),
-            tp_round_trip_by_ranks=self._slowed(self.tp_round_trip_by_ranks, share),
+            fsdp_round_trip_by_ranks=_slowed(self.fsdp_round_trip_by_ranks, memory_shares, memory),
+            tp_round_trip_by_ranks=_slowed(self.tp_round_trip_by_ranks, shares, share),
         )
-
-    def _slowed(
-        self, by_ranks: dict[int, tuple[float, float]], share: float
-    ) -> dict[int, tuple[float, float]]:
-        """Round trips measured in a group of n busy processes, for a host running processes at
-        ``share`` each: slowed by the measured n-process share over ``share`` (the n-process figure
-        already includes the n processes' own contention, so only the difference applies)."""
-        slowed = {}
-        for n, (latency, per_byte) in by_ranks.items():
-            measured = 1.0 if n == 1 else _share(self.compute_share_by_ranks, n)  # 1: measured alone
-            factor = measured / share
-            slowed[n] = (latency * factor, per_byte * factor)
-        return slowed
 
     def peak(self, precision: MatmulPrecision) -> float:
         return self.peak_flops[precision]
@@ -137,6 +127,19 @@ def _share(by_ranks: dict[int, float], processes: int) -> float:
     """The share measured for the nearest group size, less where more processes than that share it."""
     nearest = min(by_ranks, key=lambda n: (abs(n - processes), -n))
     return by_ranks[nearest] * min(1.0, nearest / processes)
+
+
+def _slowed(
+    by_ranks: dict[int, tuple[float, float]], shares: dict[int, float], share: float
+) -> dict[int, tuple[float, float]]:
+    """Round trips measured in a group of n busy processes (or in one process alone), for a host running
+    processes at ``share`` each: slowed by the share measured for n (1 alone) over ``share`` (the
+    n-process figure already includes the n processes' own contention, so only the difference applies)."""
+    slowed = {}
+    for n, (latency, per_byte) in by_ranks.items():
+        factor = (1.0 if n == 1 else _share(shares, n)) / share
+        slowed[n] = (latency * factor, per_byte * factor)
+    return slowed
 
 
 def _nearest(by_ranks: dict[int, tuple[float, float]], ranks: int) -> tuple[float, float]:
