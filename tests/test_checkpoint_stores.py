@@ -4,15 +4,20 @@ line naming the URL, not retried as infrastructure)."""
 
 from __future__ import annotations
 
+import errno
+import traceback
 from typing import Literal
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.dist.ckpt_common import JOB, Trainee
 from tests.fault_report import FaultRow, record
 from tests.stores import FlakyStore
 from trainer.checkpoint import CheckpointManager, CheckpointStoreError, list_checkpoints
+from trainer.checkpoint.errors import CheckpointError
+from trainer.checkpoint.store import dcp_errors
 from trainer.config import CheckpointConfig
 from trainer.failures import is_infra_error
 
@@ -81,3 +86,20 @@ def test_denied_requests_are_one_line_naming_the_url_and_not_retried(flaky_s3_bu
             None,
         )
     )
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [
+        OSError(errno.ENOSPC, "No space left on device", "/ckpt/__0_0.distcp"),
+        # torch's zip writer, where the disk fills in the middle of a file
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+    ],
+)
+def test_a_full_disk_is_one_line_saying_so_whichever_writer_found_it(cause: BaseException) -> None:
+    failure = CheckpointException("save failed", {0: (cause, traceback.extract_stack())})
+    with pytest.raises(CheckpointError) as raised, dcp_errors("saving", "/ckpt/step-2"):
+        raise failure
+    message = str(raised.value)
+    assert "out of space (" in message and "No space left on device" in message, message
+    assert "checkpoint.keep_last + 1 checkpoints" in message and "unexpected pos" not in message

@@ -135,8 +135,10 @@ def dcp_errors(action: str, url: str) -> Iterator[None]:
         rank, cause = next(iter(exc.failures)), failures[0]
         first_line = next(iter(str(cause).splitlines()), "")
         if out_of_space(cause):
+            # torch's zip writer says only "unexpected pos N vs M" where the disk filled mid-file.
+            reason = first_line if isinstance(cause, OSError) else os.strerror(errno.ENOSPC)
             raise CheckpointError(
-                f"{action} checkpoint {url} failed on rank {rank}: out of space ({first_line}); a run needs "
+                f"{action} checkpoint {url} failed on rank {rank}: out of space ({reason}); a run needs "
                 "room for checkpoint.keep_last + 1 checkpoints (tessera plan shows their size): free space, "
                 "lower keep_last or point checkpoint.url at a larger store"
             ) from cause
