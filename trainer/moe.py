@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from trainer.config import MoEConfig
+from trainer.local_tensor import local_tensor
 
 # How much one forward's auxiliary loss weighs in the step's gradient: 1/micro-batches under gradient
 # accumulation (each micro-batch's token loss is scaled so), 1 when a pipeline schedule scales grads itself.
@@ -78,11 +78,6 @@ class _BalanceInBackward(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, device=grad.device), None, None, None
 
 
-def _local(weight: Tensor) -> Tensor:
-    """This rank's experts: under expert parallelism the stacked weights are DTensors sharded on experts."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
 class GroupedExperts(nn.Module):
     """n SwiGLU experts stacked into [n, d, h] / [n, h, d] weights, so sharding dim 0 splits experts."""
 
@@ -100,7 +95,8 @@ class GroupedExperts(nn.Module):
         """
         # unbind, not w[e]: indexing's backward writes each expert's gradient into a zeroed copy of the
         # whole stacked weight (E full-size copies per step); unbind's stacks them once.
-        w1, w2, w3 = (_local(w).unbind(0) for w in (self.w1, self.w2, self.w3))
+        # This rank's experts: under expert parallelism the stacked weights are DTensors sharded on experts.
+        w1, w2, w3 = (local_tensor(w).unbind(0) for w in (self.w1, self.w2, self.w3))
         outputs = [
             (F.silu(chunk @ w1[e]) * (chunk @ w3[e])) @ w2[e]
             for e, chunk in enumerate(tokens.split(counts.tolist()))

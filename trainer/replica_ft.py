@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_map_only
 
 from trainer.config import JobConfig
 from trainer.failures import UserError
+from trainer.local_tensor import local_tensor
 from trainer.replica_groups import LIGHTHOUSE_ENV, REPLICA_ENV, replica_job
 from trainer.step_hooks import step_statistics
 
@@ -160,7 +161,7 @@ class ReplicaGroup:
             if p.grad is None:  # e.g. an expert no token reached: it contributes zeros
                 p.grad = torch.zeros_like(p)
         # FSDP's gradients are DTensors: this rank's shard is what rank i of each replica averages.
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        grads = [local_tensor(p.grad) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1).float()])
         manager.allreduce(flat).wait()
         # What modules counted for their once-a-step update (an MoE router's expert loads) is summed

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.dist.cp_checks import reshard_max_error, ring_attention_max_error
 from trainer.config import JobConfig
+from trainer.local_tensor import local_tensor
 from trainer.model import Transformer, param_count
 from trainer.moe import MoE
 from trainer.parallel import ParallelModel, build_parallel_model, token_loss
@@ -170,7 +171,7 @@ def logits_per_rank(pm: ParallelModel, inputs: torch.Tensor) -> int | None:
     (model,) = pm.parts
     with torch.no_grad():
         logits = model(shard_sequence(inputs, pm.mesh["cp"]))
-    return (logits.to_local() if isinstance(logits, DTensor) else logits).shape[-1]
+    return local_tensor(logits).shape[-1]
 
 
 def reference_name(job: JobConfig) -> str:
@@ -194,7 +195,7 @@ def check_replicas_agree(pm: ParallelModel) -> None:
     group = pm.mesh["dp_replicate"].get_group()
     for part in pm.parts:
         for name, param in part.named_parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
+            local = local_tensor(param)
             copies = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
             dist.all_gather(copies, local.detach().contiguous(), group=group)
             assert all(torch.equal(copy, copies[0]) for copy in copies), f"replicas differ at {name}"
@@ -202,11 +203,7 @@ def check_replicas_agree(pm: ParallelModel) -> None:
 
 def stored_copies(pm: ParallelModel, job: JobConfig) -> float:
     """Parameter elements held by all ranks together, in units of the model's size."""
-    local = sum(
-        p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-        for part in pm.parts
-        for p in part.parameters()
-    )
+    local = sum(local_tensor(p).numel() for part in pm.parts for p in part.parameters())
     total = torch.tensor(float(local))
     dist.all_reduce(total)
     with torch.device("meta"):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.tensor as dtensor
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from trainer import storage
 from trainer.checkpoint import store
@@ -40,6 +40,7 @@ from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.checkpoint.manifest import Manifest, check_model, digest_files, read_manifest, write_manifest
 from trainer.config import JobConfig
 from trainer.launch import torchrun_command
+from trainer.local_tensor import local_tensor
 from trainer.units import MiB
 
 LOAD_TIMEOUT_S = 1800.0
@@ -184,10 +185,7 @@ def _nonfinite(state: dict[str, Any]) -> list[str]:
     """Keys of floating tensors with a NaN/inf anywhere (every rank checks its shard)."""
     keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
     bad = torch.tensor(
-        [
-            int(not torch.isfinite(state[k].to_local() if isinstance(state[k], DTensor) else state[k]).all())
-            for k in keys
-        ],
+        [int(not torch.isfinite(local_tensor(state[k])).all()) for k in keys],
         dtype=torch.int64,
     )
     if dist.is_initialized():

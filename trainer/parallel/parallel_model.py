@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, PipelineSchedule
+from trainer.local_tensor import local_tensor
 from trainer.model import Transformer, param_count
 from trainer.moe import auxiliary_loss_scale
 from trainer.parallel.context import shard_sequence
@@ -46,11 +46,6 @@ def loss_context(mesh: DeviceMesh) -> AbstractContextManager[None]:
     """Where the loss and its backward run: torch's ``loss_parallel`` when tp splits the logits
     (trainer/parallel/tensor.py), so the softmax reduces over tp ranks instead of gathering them."""
     return loss_parallel() if mesh["tp"].size() > 1 else nullcontext()
-
-
-def _plain(loss: Tensor) -> Tensor:
-    """A loss value as a plain tensor (loss_parallel's is a replicated DTensor)."""
-    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 @dataclass
@@ -108,7 +103,7 @@ class ParallelModel:
                 with auxiliary_loss_scale(1 / n_microbatches):  # e.g. MoE balancing: weighed like this loss
                     loss = token_loss(model(x), y)
                 (loss / n_microbatches).backward()
-            total += _plain(loss.detach())
+            total += local_tensor(loss.detach())  # loss_parallel's is a replicated DTensor
         return total / n_microbatches
 
     def _pipeline_step(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
@@ -129,7 +124,7 @@ class ParallelModel:
             )
         if not last:
             return torch.zeros((), device=self.device)
-        return torch.stack([_plain(loss.detach()).float() for loss in losses]).mean()
+        return torch.stack([local_tensor(loss.detach()).float() for loss in losses]).mean()
 
     def _global_mean(self, local: Tensor) -> Tensor:
         """Average over data- and context-parallel ranks, then hand the last pipeline stage's value to every stage."""

@@ -44,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor
 
 from trainer.backends.chips import get_chip
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig
+from trainer.local_tensor import local_tensor
 from trainer.plan.compute import block_matmuls, block_seconds, elementwise_bytes
 from trainer.plan.kernels import gemm_seconds
 from trainer.plan.layout import Geometry
@@ -357,7 +357,7 @@ def _wall_round_trip_seconds(block: torch.nn.Module, x: torch.Tensor, rope: torc
     dist.barrier()
     began = time.perf_counter()
     out = block(x, rope)
-    (out.to_local() if isinstance(out, DTensor) else out).sum().backward()
+    local_tensor(out).sum().backward()
     return time.perf_counter() - began
 
 
