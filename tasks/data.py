@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import INPUTS, NO_CACHE, TASK_SOURCE
+from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import TaskRunner
 from prefect_dask import DaskTaskRunner
 
@@ -65,12 +65,14 @@ def mapped_on(runner: TaskRunner) -> Mapper:
     return map_parts
 
 
-# Cached on the inputs and this task's source, with the result (the data URL) persisted, so a re-run
-# of the pipeline, or a retry of the flow, skips even the listing of the corpus.
-@task(name="prepare-dataset", cache_policy=INPUTS + TASK_SOURCE, persist_result=True, tags=["data"])
+# Not cached by Prefect: the store keys itself by content (``<output_url>/<fingerprint>/manifest.json``),
+# so a re-run finds the dataset after listing the corpus and returns at once. A Prefect cache, keyed on
+# the inputs and kept in PREFECT_HOME, would outlive the files it points to (`make clean`, a second
+# checkout, whose relative ``output_url`` is another directory) and hand training a missing dataset.
+@task(name="prepare-dataset", cache_policy=NO_CACHE, tags=["data"])
 def prepare_dataset_task(data: DataConfig, vocab_size: int, seq_len: int, seed: int) -> str:
-    """Tokenize, pack into ``seq_len + 1`` samples and write webdataset shards (per source of a mixture);
-    return the URL training reads."""
+    """Tokenize, pack into ``seq_len + 1`` samples and write webdataset shards (per source of a mixture),
+    or find them already there; return the URL training reads."""
     runner = dask_runner(data)
     if runner is None or plan_preparation(data, vocab_size, seq_len, seed).prepared():
         return prepare_dataset(data, vocab_size, seq_len, seed, map_parts=serial_map)  # no cluster to start

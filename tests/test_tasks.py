@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -47,18 +48,28 @@ def artifact(key: str) -> object:
     return json.loads(data) if isinstance(data, str) else data
 
 
-def test_data_preparation_is_cached_on_its_inputs(tmp_path: Path) -> None:
-    spec = tiny_spec(tmp_path, "cache")
+def test_data_preparation_finds_its_dataset_and_never_returns_a_missing_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-run reuses the dataset the store keys by content; after `make clean`, or in a second checkout
+    (another working directory, one PREFECT_HOME), it prepares again rather than return a URL to nothing."""
+    first_checkout, second_checkout = tmp_path / "first", tmp_path / "second"
+    first_checkout.mkdir()
+    second_checkout.mkdir()
+    spec = tiny_spec(tmp_path, "prep", data={"output_url": "data"})  # relative, as in the demo
     args = (spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
-    first = prepare_dataset_task(*args, return_state=True)
-    second = prepare_dataset_task(*args, return_state=True)
-    assert first.is_completed() and second.name == "Cached"
-    manifest_url = second.result()
-    assert manifest_url == first.result() and read_manifest(manifest_url).totals["train"].samples > 0
-    other_seed = prepare_dataset_task(
-        spec.data, spec.model.vocab_size, spec.train.seq_len, 1, return_state=True
-    )
-    assert other_seed.name != "Cached"
+
+    monkeypatch.chdir(first_checkout)
+    url = prepare_dataset_task(*args)
+    manifest = first_checkout / url
+    written = manifest.stat().st_mtime_ns
+    assert prepare_dataset_task(*args) == url and manifest.stat().st_mtime_ns == written  # reused
+
+    shutil.rmtree(first_checkout / "data")  # make clean
+    assert prepare_dataset_task(*args) == url and read_manifest(str(manifest)).totals["train"].samples > 0
+
+    monkeypatch.chdir(second_checkout)
+    assert prepare_dataset_task(*args) == url and read_manifest(url).totals["train"].samples > 0
 
 
 def test_plan_publishes_a_table_and_warns_when_oversubscribed(
