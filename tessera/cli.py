@@ -6,6 +6,7 @@ User errors (a bad spec, a missing file) print one readable line and exit 1; tra
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from typing import Annotated, TypeVar
 import typer
 
 from deployments.spec import SpecError, TrainingSpec, load_spec
+from trainer.data.errors import DataError
 from trainer.failures import UserError
 
 app = typer.Typer(
@@ -37,6 +39,10 @@ SpecPath = Annotated[Path, typer.Argument(help="Spec YAML file, e.g. deployments
 F = TypeVar("F", bound=Callable[..., object])
 
 
+# Failures whose message names the input and the fix: the message is the whole report.
+USER_ERRORS = (SpecError, UserError, DataError, FileNotFoundError)
+
+
 def user_errors(fn: F) -> F:
     """Turn user errors into one line on stderr and exit code 1."""
 
@@ -44,7 +50,7 @@ def user_errors(fn: F) -> F:
     def wrapper(*args: object, **kwargs: object) -> object:
         try:
             return fn(*args, **kwargs)
-        except (SpecError, UserError, FileNotFoundError) as exc:
+        except USER_ERRORS as exc:
             typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from None
 
@@ -237,6 +243,14 @@ def schema() -> None:
     typer.echo(json.dumps(TrainingSpec.model_json_schema(), indent=2))
 
 
+def without_user_error_tracebacks(record: logging.LogRecord) -> bool:
+    """Prefect logs a failed task's and flow's exception with its traceback; a user error's one-line
+    message (also in the state and in our final line) is all there is to say."""
+    if record.exc_info and isinstance(record.exc_info[1], USER_ERRORS):
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 @app.command()
 @user_errors
 def run(spec: SpecPath) -> None:
@@ -257,6 +271,8 @@ def run(spec: SpecPath) -> None:
 
     loaded = load_spec(spec)
     started = time.time()
+    for runs in ("prefect.flow_runs", "prefect.task_runs"):  # the loggers the run engines log failures to
+        logging.getLogger(runs).addFilter(without_user_error_tracebacks)
 
     def this_run() -> Path | None:
         """The run the flow opens: the continued one, or the newest of the spec since this command began."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,13 +11,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tessera(*args: str) -> subprocess.CompletedProcess[str]:
+def tessera(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tessera.cli", *args],
         cwd=REPO,
+        env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 
@@ -37,3 +41,31 @@ def test_user_error_is_one_line_without_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
     missing = tessera("validate", str(tmp_path / "nope.yaml"))
     assert missing.returncode == 1 and "cannot read spec" in missing.stderr
+
+
+def test_missing_data_is_one_line_without_traceback(tmp_path: Path) -> None:
+    """`tessera train` checks its dataset before launching any rank; `tessera run` (the pipeline on a
+    temporary Prefect server) shows the task's DataError without Prefect's two tracebacks of it."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "name: missing-data\nmodel: {preset: tiny}\n"
+        f"data: {{source: files, paths: ['{tmp_path}/corpus/*.txt']}}\n"
+        "train: {steps: 2, seq_len: 32, global_batch_size: 4, micro_batch_size: 2}\n"
+        "parallel: {dp_shard: 2}\ncluster: {accelerator: cpu, chip: cpu, nodes: 1, chips_per_node: 2}\n"
+    )
+    gone = str(tmp_path / "data" / "7707724aff555ed6" / "manifest.json")
+    train = tessera("train", str(spec), "--run-dir", str(tmp_path / "manual"), "--data", gone)
+    assert (
+        train.returncode == 1
+        and train.stderr
+        == f"error: no dataset manifest at {gone!r}; run data preparation first (or fix data_url)\n"
+    )
+    env = {
+        **os.environ,
+        "TESSERA_RUNS_DIR": str(tmp_path / "runs"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+    }
+    run = tessera("run", str(spec), env=env, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in output, output
+    assert f"error: data.paths entry '{tmp_path}/corpus/*.txt' matches no files" in run.stderr
