@@ -30,7 +30,6 @@ from deployments.spec import SpecError, TrainingSpec
 from trainer import storage
 from trainer.compare import leaves
 from trainer.config import JobConfig
-from trainer.data.loader import data_manifests
 from trainer.failures import UserError
 from trainer.job import resolve_job
 from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
@@ -136,8 +135,6 @@ class Run:
                     f"{'; '.join(changes)}. Start a new run (leave resume_from empty), or list the fields in "
                     "allow_changes if continuing with the change is intended"
                 )
-        if data_url is not None:
-            data_manifests(data_url)  # a missing dataset: one DataError here, not one per rank after launch
         job = resolve_job(spec.job_config(data_url, run_id=run_dir.run_id), run_dir)
         run = cls(spec, run_dir, job)
         run.write()

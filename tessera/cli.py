@@ -202,6 +202,7 @@ def train(
     Example: tessera train deployments/specs/local-cpu.yaml --run-dir runs/manual
     """
     from deployments.run import Run
+    from trainer.data.loader import data_manifests
     from trainer.launch import Stopped, stop_on_signals
     from trainer.progress import StepProgress
     from trainer.rundir import RunDir
@@ -213,6 +214,8 @@ def train(
             f"(dp_replicate×dp_shard×cp×tp×pp); pass --nproc {loaded.parallel.world_size} or change "
             "parallel/cluster in the spec"
         )
+    if data is not None:
+        data_manifests(data)  # a missing dataset: one line here, not a failure in every rank after launch
     run = Run.open(loaded, RunDir(run_dir), data_url=data)
     try:
         with stop_on_signals(), run.claim(), StepProgress(lambda: run.dir.metrics, loaded.train.steps):
