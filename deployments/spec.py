@@ -101,7 +101,13 @@ class EvalSpec(Strict):
     """Checkpoint validation and evaluation, run while training and on a schedule."""
 
     enabled: bool = Field(True, description="Validate and evaluate each new committed checkpoint.")
-    batches: int = Field(8, ge=1, le=10_000, description="Validation batches per evaluation.")
+    # 16 × the demo's micro-batch of 4 = 64 samples: enough, drawn across the split, for its curve to move.
+    batches: int = Field(
+        16,
+        ge=1,
+        le=10_000,
+        description="Validation micro-batches per evaluation, drawn by seed across the split's shards.",
+    )
     sample_prompt: str = Field("def ", description="Prompt for the greedy sample shown with each evaluation.")
     sample_tokens: int = Field(32, ge=0, le=4096, description="Tokens to generate for the sample.")
     poll_interval_s: float = Field(

@@ -80,6 +80,8 @@ def _evaluate(validation: ValidationResult, run: Run) -> dict[str, Any]:
                 "step": record["step"],
                 "loss": round(record["loss"], 4),
                 "perplexity": round(record["perplexity"], 2),
+                "tokens": record["tokens"],
+                "documents": record["documents"],
                 "sample": record["sample"],
             }
         ],

@@ -22,6 +22,7 @@ from trainer.data import (
 )
 from trainer.data.corpus import generated_documents
 from trainer.data.fetch import fetch_shard
+from trainer.data.loader import validation_sample
 from trainer.data.order import ShardedSamples
 
 VOCAB, SEQ = 512, 32
@@ -185,6 +186,30 @@ def test_loader_resumes_exactly_across_dp_sizes(dataset: str, source: str) -> No
         loader.load_state_dict(json.loads(json.dumps(single.state_dict())))  # survives serialisation
     for step in range(k, k + 3):
         assert torch.equal(torch.cat([next(h)[0] for h in halves]), reference[step][0])
+
+
+def test_evaluation_draws_a_seeded_sample_spread_over_the_validation_shards(tmp_path: Path) -> None:
+    """Not the first samples in stored order (one part of the corpus, often one document): a draw by
+    seed across every val shard, the same on every call, with the tokens and documents it covers."""
+    cfg = DataConfig(
+        source="generated",
+        output_url=str(tmp_path / "data"),
+        samples_per_shard=8,
+        max_documents=120,
+        validation_fraction=0.3,
+    )
+    url = prepare_dataset(cfg, VOCAB, SEQ, seed=0)
+    val = read_manifest(url).totals["val"]
+    rows = stored_rows(url, "val")
+    sample = validation_sample(url, 16, seed=0)
+    assert sample.rows.shape == (16, SEQ + 1) and sample.tokens == 16 * SEQ
+    assert np.array_equal(sample.rows, validation_sample(url, 16, seed=0).rows)
+    assert not np.array_equal(sample.rows, validation_sample(url, 16, seed=1).rows)
+    positions = [next(i for i, row in enumerate(rows) if np.array_equal(row, drawn)) for drawn in sample.rows]
+    shards = {i // cfg.samples_per_shard for i in positions}
+    assert len(positions) == len(set(positions)) and len(shards) > val.shards // 2, positions
+    assert val.documents // 3 < sample.documents <= val.documents
+    assert np.array_equal(validation_sample(url, 10**6, seed=0).rows, rows)  # asked for more: all of them
 
 
 def test_validation_batches_and_loader_checks(dataset: str) -> None:

@@ -29,7 +29,7 @@ from trainer.checkpoint import APP_KEY, CheckpointStoreError, check_model, read_
 from trainer.checkpoint.errors import CheckpointError
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
-from trainer.data.loader import load_tokenizer, validation_batches
+from trainer.data.loader import load_tokenizer, validation_sample
 from trainer.failures import EXIT_INFRA, EXIT_OK, EXIT_USER_ERROR, UserError, is_infra_error
 from trainer.model import Transformer
 
@@ -93,18 +93,26 @@ def evaluate_checkpoint(
 def evaluation_record(
     step_url: str, job: JobConfig, batches: int, sample_prompt: str, sample_tokens: int
 ) -> dict[str, Any]:
-    """Evaluate on ``batches`` batches of the job's validation split; the record the run stores (the
-    result, the decoded sample and the checkpoint URL)."""
+    """Evaluate on ``batches`` micro-batches drawn by the job's seed across the validation split; the
+    record the run stores (the result, the tokens and documents it covered, the decoded sample and the
+    checkpoint URL)."""
     assert job.data_url is not None, "evaluation reads the prepared dataset's validation split"
     tokenizer = load_tokenizer(job.data_url)
+    held_out = validation_sample(job.data_url, batches * job.train.micro_batch_size, job.seed)
     result = evaluate_checkpoint(
         step_url,
         job,
-        validation_batches(job.data_url, job.train.micro_batch_size, batches),
+        held_out.batches(job.train.micro_batch_size),
         tokenizer.encode(sample_prompt).ids,
         sample_tokens,
     )
-    return {**asdict(result), "sample": sample_prompt + tokenizer.decode(result.sample_ids), "url": step_url}
+    return {
+        **asdict(result),
+        "tokens": held_out.tokens,
+        "documents": held_out.documents,
+        "sample": sample_prompt + tokenizer.decode(result.sample_ids),
+        "url": step_url,
+    }
 
 
 def main(argv: list[str]) -> int:

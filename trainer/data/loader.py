@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -181,23 +182,53 @@ def _source_manifest(mixture_url: str, relative: str) -> DatasetManifest:
     return require_manifest(resolve(mixture_url.rstrip("/").rsplit("/", 1)[0], relative))
 
 
-def validation_batches(data_url: str, batch_size: int, max_batches: int) -> Iterator[Batch]:
-    """Up to ``max_batches`` batches of the val split, in stored order (the same batches every call);
-    for a mixture, the sources' batches in turn."""
-    per_source = [_validation_batches(m, batch_size) for m in data_manifests(data_url)]
-    interleaved = (b for group in itertools.zip_longest(*per_source) for b in group if b is not None)
-    return itertools.islice(interleaved, max_batches)
+@dataclass(frozen=True)
+class ValidationSample:
+    """A fixed draw of held-out samples, ``[n, seq_len + 1]``, and how many documents it touches."""
+
+    rows: np.ndarray
+    documents: int  # with a token among the inputs; one that spans two shards counts twice
+
+    @property
+    def tokens(self) -> int:
+        """Input tokens scored: ``seq_len`` per sample."""
+        return self.rows.shape[0] * (self.rows.shape[1] - 1)
+
+    def batches(self, batch_size: int) -> Iterator[Batch]:
+        return (to_batch(self.rows[i : i + batch_size]) for i in range(0, len(self.rows), batch_size))
 
 
-def _validation_batches(manifest: DatasetManifest, batch_size: int) -> Iterator[Batch]:
-    pending: list[np.ndarray] = []
-    for shard in manifest.split_shards("val"):
-        pending.extend(fetch_shard(manifest.url_of(shard.name), shard, manifest.dtype, manifest.sample_len))
-        while len(pending) >= batch_size:
-            yield to_batch(np.stack(pending[:batch_size]))
-            pending = pending[batch_size:]
-    if pending:
-        yield to_batch(np.stack(pending))
+def validation_sample(data_url: str, samples: int, seed: int) -> ValidationSample:
+    """``samples`` val samples (all, if fewer) drawn by ``seed`` uniformly over the split's shards (and a
+    mixture's sources): the same ones every call, so checkpoints are compared on one sample. Uniform
+    rather than the first ones in stored order, which sit in one part of the corpus, often one document.
+    Only the shards holding a chosen sample are read."""
+    shards = [(m, shard) for m in data_manifests(data_url) for shard in m.split_shards("val")]
+    counts = np.array([shard.samples for _, shard in shards], dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    total = int(counts.sum())
+    chosen = np.sort(np.random.default_rng(seed).choice(total, size=min(samples, total), replace=False))
+    owner = np.searchsorted(starts, chosen, side="right") - 1
+    picked, documents = [], 0
+    for index in np.unique(owner):
+        manifest, shard = shards[index]
+        rows = fetch_shard(manifest.url_of(shard.name), shard, manifest.dtype, manifest.sample_len)
+        eos = rows == manifest.eos_id
+        first_document = np.cumsum(eos.sum(axis=1)) - eos.sum(axis=1)  # within the shard, at each row's start
+        offsets = chosen[owner == index] - starts[index]
+        picked.append(rows[offsets])
+        # A row's inputs (all but its last token) touch its first document and one more after each EOS
+        # before the last input token.
+        documents += len(
+            {d for o in offsets for d in range(first_document[o], first_document[o] + eos[o, :-2].sum() + 1)}
+        )
+    width = shards[0][0].sample_len if shards else 1
+    return ValidationSample(np.concatenate(picked) if picked else np.empty((0, width), np.int64), documents)
+
+
+def validation_batches(data_url: str, batch_size: int, max_batches: int, seed: int = 0) -> Iterator[Batch]:
+    """``max_batches`` batches of :func:`validation_sample` (the same batches every call)."""
+    return validation_sample(data_url, batch_size * max_batches, seed).batches(batch_size)
 
 
 def load_tokenizer(data_url: str) -> Tokenizer:
