@@ -263,6 +263,7 @@ def run(spec: SpecPath) -> None:
 
     Example: tessera run deployments/specs/local-cpu.yaml
     """
+    loaded = load_spec(spec)  # first: a spec error is reported before Prefect is even imported
     # A busy laptop can take longer than Prefect's 20 s default to start the temporary server; its
     # analytics service only fills the terminal with "database is locked" from the temporary SQLite.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -272,7 +273,6 @@ def run(spec: SpecPath) -> None:
     from trainer.launch import Stopped, stop_on_signals
     from trainer.progress import StepProgress
 
-    loaded = load_spec(spec)
     started = time.time()
     for runs in ("prefect.flow_runs", "prefect.task_runs"):  # the loggers the run engines log failures to
         logging.getLogger(runs).addFilter(without_user_error_tracebacks)
@@ -377,25 +377,49 @@ HFDir = Annotated[Path, typer.Argument(help="A Hugging Face model directory (saf
 ModelSpec = Annotated[Path, typer.Option(help="The spec whose model the checkpoint holds.")]
 
 
+def recorded_spec(checkpoint: str) -> TrainingSpec:
+    """The spec in ``run.json`` of the run directory that holds ``checkpoint`` (``<run>/checkpoints``,
+    or one of its ``step-N`` directories)."""
+    path = Path(checkpoint).resolve()
+    for run_dir in (path.parent, path.parent.parent):
+        if (record := run_dir / "run.json").is_file():
+            return TrainingSpec.model_validate(json.loads(record.read_text())["spec"])
+    raise UserError(
+        f"no run.json in the run directory around {checkpoint}; pass --spec with the spec it was trained with"
+    )
+
+
 @app.command("export")
 @user_errors
 def export_checkpoint(
     checkpoint: CheckpointUrl,
     out_dir: HFDir,
-    spec: ModelSpec,
+    spec: Annotated[
+        Path | None,
+        typer.Option(
+            help="The spec whose model the checkpoint holds (default: its run directory's run.json)."
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option(help="bf16 (what the Hub ships) or fp32 (exact).")] = "bf16",
 ) -> None:
     """Export a checkpoint's weights as Hugging Face Llama (MoE: Mixtral) safetensors + config.json.
 
-    Example: tessera export runs/<run>/checkpoints build/hf --spec deployments/specs/local-cpu.yaml
+    Example: tessera export runs/<run>/checkpoints build/hf
     """
     from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint.errors import CheckpointMismatch
     from trainer.checkpoint.hf import DTYPES, export_hf
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: use one of {', '.join(DTYPES)}")
+    loaded = recorded_spec(checkpoint) if spec is None else load_spec(spec)
     try:
-        out = export_hf(checkpoint, load_spec(spec).job_config(data_url=None), out_dir, dtype)  # type: ignore[arg-type]
+        out = export_hf(checkpoint, loaded.job_config(data_url=None), out_dir, dtype)  # type: ignore[arg-type]
+    except CheckpointMismatch:
+        raise UserError(
+            f"{checkpoint} holds another model than {spec or 'run.json'} describes; export it with the spec "
+            "it was trained with (leave out --spec to read its run directory's run.json)"
+        ) from None
     except CheckpointError as exc:
         raise UserError(str(exc)) from None
     typer.echo(f"exported: {out}")

@@ -69,3 +69,20 @@ def test_missing_data_is_one_line_without_traceback(tmp_path: Path) -> None:
     output = run.stdout + run.stderr
     assert run.returncode == 1 and "Traceback" not in output, output
     assert f"error: data.paths entry '{tmp_path}/corpus/*.txt' matches no files" in run.stderr
+
+
+def test_run_reports_a_spec_error_before_importing_prefect(tmp_path: Path) -> None:
+    """`tessera run` validates first: a typo is reported as quickly as `tessera validate` reports it."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {stpes: 3}\n")
+    probe = (
+        "import sys; from typer.testing import CliRunner; from tessera.cli import app; "
+        f"result = CliRunner().invoke(app, ['run', {str(bad)!r}]); "
+        "print(result.exit_code, 'prefect' in sys.modules); print(result.output)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.startswith("1 False\n") and "train.stpes: unknown field" in result.stdout, (
+        result.stdout
+    )

@@ -172,6 +172,18 @@ def test_cli_exports_and_imports(trained: tuple[str, dict[str, torch.Tensor]], t
     assert result.exit_code == 0, result.output
     assert (tmp_path / "back" / "step-000000" / "tessera.json").exists()
 
+    # Without --spec, the model comes from the run directory's run.json; the wrong spec gets advice that fits.
+    run_json = Path(trained[0]).parent / "run.json"
+    run_json.write_text(json.dumps({"run_id": "hf-0123abcd", "spec": json.loads(spec.read_text())}))
+    result = runner.invoke(app, ["export", trained[0], str(tmp_path / "hf-from-run")])
+    assert result.exit_code == 0, result.output
+    other = tmp_path / "other.yaml"
+    other.write_text(json.dumps({"name": "hf", "model": {**MODEL, "n_layers": 1}, "train": {"seq_len": 16}}))
+    result = runner.invoke(app, ["export", trained[0], str(tmp_path / "hf-other"), "--spec", str(other)])
+    assert result.exit_code == 1 and "export it with the spec it was trained with" in result.output
+    assert "checkpoint.url" not in result.output
+    run_json.unlink()
+
 
 # tiny-moe without its shared expert (Mixtral has none): 2 layers, 8 experts of width 128, top-2.
 TINY_MOE = {"preset": "tiny-moe", "moe": {"n_experts": 8, "top_k": 2}}
