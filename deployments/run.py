@@ -7,7 +7,7 @@ any of these. It imports no Prefect: ``tessera train`` opens a Run as the pipeli
 
 The resume rules, which a user can predict:
 
-- A new flow run is a new run (``<spec name>-<8 hex digits of the flow run id>``), with its own
+- A new flow run is a new run (``<spec name>-<last 8 hex digits of the flow run id>``), with its own
   directory, so an edited rerun, a schedule or the UI's default run always trains.
 - A Prefect retry of the same flow run, and a torchrun restart, reopen the same run and resume.
 - ``resume_from: <run id>`` continues an earlier run in its directory. If the spec changed in a way
@@ -65,8 +65,10 @@ class RunConflict(SpecError):
 
 
 def new_run_id(name: str, token: str | None = None) -> str:
-    """``<name>-<8 hex digits>``: the flow run's id when there is one (a retry keeps it), else random."""
-    return f"{name}-{(token or uuid.uuid4().hex).replace('-', '')[:8]}"
+    """``<name>-<8 hex digits>``: the last 8 of the flow run's id when there is one (a retry keeps it),
+    else random. The last, because Prefect 3's flow run ids are time-ordered (UUIDv7): their first
+    digits are a timestamp that every run created in the same minute shares, their tail is random."""
+    return f"{name}-{(token or uuid.uuid4().hex).replace('-', '')[-8:]}"
 
 
 def _covered(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:

@@ -19,17 +19,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from prefect import get_client
 from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.actions import DeploymentScheduleCreate
 from prefect.client.schemas.filters import (
     ArtifactFilter,
     ArtifactFilterKey,
     DeploymentFilter,
     DeploymentFilterId,
 )
+from prefect.client.schemas.schedules import IntervalSchedule
 from prefect.exceptions import PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelled, Cancelling, Scheduled
 
 from deployments.register import REPO_ROOT
+from deployments.run import Run
+from deployments.spec import TrainingSpec
 from tasks.keys import artifact_key
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import tiny_spec_dict
@@ -179,7 +183,7 @@ def test_pipeline_deployment_run_trains_validates_and_evaluates(
 
     manifest = read_manifest(str(next((tmp_path / "data").glob("*/manifest.json"))))
     assert manifest.totals["train"].shards >= 1 and manifest.totals["val"].samples > 0
-    run_dir = deployed[1] / f"e2e-tiny-{run.id.hex[:8]}"
+    run_dir = deployed[1] / f"e2e-tiny-{run.id.hex[-8:]}"
     assert [(m.step, m.status) for m in list_checkpoints(str(run_dir / "checkpoints"))] == [
         (3, "validated"),
         (6, "validated"),
@@ -217,10 +221,42 @@ def test_scheduled_runs_of_one_deployment_each_train_a_run_of_their_own(
             time.sleep(2)
         assert flow_run.state.is_completed(), flow_run.state.message
     run_dirs = sorted(deployed[1].glob("e2e-sched-*"))
-    assert [p.name for p in run_dirs] == sorted(f"e2e-sched-{r.id.hex[:8]}" for r in scheduled)
+    assert [p.name for p in run_dirs] == sorted(f"e2e-sched-{r.id.hex[-8:]}" for r in scheduled)
     for run_dir in run_dirs:
         assert [line["step"] for line in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
         assert json.loads((run_dir / "status.json").read_text())["resumed_from"] is None
+
+
+def test_twenty_runs_scheduled_within_a_minute_get_twenty_run_ids_and_directories(
+    client: SyncPrefectClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deployment with `--interval 3` (as `prefect deployment schedule create` makes it): the server's
+    scheduler makes 20 flow runs for the first minute, with time-ordered ids that share their first
+    digits. Each still opens a run and a directory of its own. The schedule starts a day ahead and the
+    deployment has no pool, so nothing trains: the names are what is tested."""
+    spec = tiny_spec_dict(tmp_path, "e2e-twenty")
+    start = (datetime.now(UTC) + timedelta(days=1)).replace(microsecond=0)
+    every_3_s = IntervalSchedule(interval=timedelta(seconds=3), anchor_date=start)
+    deployment = client.create_deployment(
+        client.create_flow_from_name("train-pipeline"),
+        "twenty-in-a-minute",
+        schedules=[DeploymentScheduleCreate(schedule=every_3_s, active=True)],
+        parameters=json.loads(json.dumps({"spec": spec})),
+    )
+    try:
+        window = {"start_time": start.isoformat(), "end_time": (start + timedelta(seconds=59)).isoformat()}
+        client.request("POST", "/deployments/{id}/schedule", path_params={"id": deployment}, json=window)
+        scheduled = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment]))
+        )
+        assert len(scheduled) == 20 and len({r.id.hex[:8] for r in scheduled}) < 20  # the old ids' digits
+        monkeypatch.setenv("TESSERA_RUNS_DIR", str(tmp_path / "runs"))
+        loaded = TrainingSpec.model_validate(spec)
+        runs = [Run.open(loaded, token=str(r.id)) for r in scheduled]  # as each one's open-run task does
+        assert len({run.run_id for run in runs}) == 20
+        assert len(list((tmp_path / "runs").glob("e2e-twenty-*/run.json"))) == 20
+    finally:
+        client.delete_deployment(deployment)
 
 
 def trainer_processes(run_dir: Path) -> list[int]:

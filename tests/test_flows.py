@@ -272,7 +272,7 @@ def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checke
     second = train_pipeline(edited, return_state=True)
     assert second.is_completed(), second.message
     (fresh,) = [r for r in runs_dir.glob("ident-*") if r != run.path]
-    assert fresh.name == f"ident-{second.state_details.flow_run_id.hex[:8]}"
+    assert fresh.name == f"ident-{second.state_details.flow_run_id.hex[-8:]}"
     assert [r["step"] for r in read_metrics(fresh / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert json.loads((fresh / "status.json").read_text())["resumed_from"] is None
     assert [r["step"] for r in read_metrics(run.metrics)] == [1, 2, 3, 4]
@@ -300,7 +300,7 @@ def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checke
     with get_client(sync_client=True) as client:
         names = [client.read_flow_run(s.state_details.flow_run_id).name for s in (first, second, continued)]
     assert names[:2] == [f"train-{run.run_id}", f"train-{fresh.name}"]
-    assert names[2] == f"train-{run.run_id}-continued-{continued.state_details.flow_run_id.hex[:8]}"
+    assert names[2] == f"train-{run.run_id}-continued-{continued.state_details.flow_run_id.hex[-8:]}"
 
     # Each run has artifact histories of its own: the first run's hold its flow runs' versions (its
     # continuation extends them, so its report has two), the second run's only the second flow run's.
