@@ -6,6 +6,7 @@ al. 2020, Figure 1); Megatron-LM's training-FLOPs formula (Narayanan et al. 2021
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from deployments.spec import SPEC_DIR, SpecError, load_spec, parse_spec
@@ -27,7 +29,14 @@ from trainer.config import (
     TrainConfig,
     layout_errors,
 )
-from trainer.plan import Plan, make_plan, plan_for_job, resolve_checkpoint_interval, search_layouts
+from trainer.plan import (
+    Plan,
+    format_search,
+    make_plan,
+    plan_for_job,
+    resolve_checkpoint_interval,
+    search_layouts,
+)
 from trainer.plan.checkpointing import daly_interval_seconds, mtbf_seconds
 from trainer.plan.compute import fsdp_copy_bytes
 from trainer.plan.layout import Geometry
@@ -340,6 +349,17 @@ def test_search_ranks_valid_fitting_layouts_by_step_time() -> None:
         train = spec.train.model_copy(update={"micro_batch_size": plan.micro_batch_size})
         assert plan.fits and not layout_errors(spec.model, plan.parallel, train, spec.cluster)
     assert {p.parallel.activation_checkpointing for p in plans} >= {"selective", "full"}
+
+
+def test_search_table_shows_whole_layouts_on_an_80_column_terminal() -> None:
+    spec = load_spec(SPEC_DIR / "tpu-llama3-70b-v5p.yaml")
+    plans = search_layouts(spec.model, spec.parallel, spec.train, spec.cluster, spec.checkpoint, top=3)
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(format_search(plans))
+    text = console.export_text()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    cells = "".join(line.split("│")[2].strip() for line in text.splitlines() if line.count("│") > 2)
+    assert all(plan.layout.replace(" ", "") in cells.replace(" ", "") for plan in plans)
 
 
 IMPOSSIBLE = {

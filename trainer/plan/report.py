@@ -149,7 +149,8 @@ def format_plan(plan: Plan) -> Group:
 def format_search(plans: list[Plan]) -> Table:
     table = Table(title="layouts that fit, fastest first")
     for column in ("#", "layout", "peak GB / chip", "step s", "MFU", "bubble"):
-        table.add_column(column, justify="right")
+        # A layout is applied as written: on a narrow terminal its words fold onto the next line, never cut.
+        table.add_column(column, justify="right", overflow="fold" if column == "layout" else "ellipsis")
     for rank, plan in enumerate(plans, 1):
         table.add_row(
             str(rank),
