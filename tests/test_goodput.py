@@ -193,3 +193,12 @@ def test_goodput_command_simulates_the_405b_spec(tmp_path: Path) -> None:
         assert math.isclose(sum(result["seconds"].values()), result["wall_s"])
         assert 0.5 < result["effective_training_time"] < 1
     assert plot.stat().st_size > 10_000
+
+
+def test_goodput_says_which_policy_to_choose_and_why() -> None:
+    args = ["goodput", str(SPEC_405B), "--days", "5"]
+    results = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    best = max(results, key=lambda name: results[name]["effective_training_time"])
+    last = CliRunner().invoke(app, args).stdout.strip().splitlines()[-1]
+    assert last.startswith(f"choose {best}: {results[best]['effective_training_time']:.2%} of the wall clock")
+    assert "loses more of the wall clock to" in last

@@ -415,4 +415,37 @@ def format_results(results: dict[str, Result]) -> str:
     width = max(len(label) for label, _ in rows)
     lines = [f"{'':<{width}}  " + "  ".join(f"{n:>12}" for n in names)]
     lines += [f"{label:<{width}}  " + "  ".join(f"{v:>12}" for v in values) for label, values in rows]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", choice(results)])
+
+
+CLOSE = 0.005  # effective training times nearer than this are within what one seed's failures decide
+
+
+def choice(results: dict[str, Result]) -> str:
+    """Which policy to choose (the most effective training time) and why: the badput categories where
+    the runner-up loses most more of the wall clock, and those where it saves most, on the same failures."""
+    best, *others = sorted(results, key=lambda n: results[n].effective_training_time, reverse=True)
+    if not others:
+        return f"{best}: {results[best].effective_training_time:.2%} effective training time"
+    second = others[0]
+    gap = {
+        c: (
+            results[second].seconds[c] / results[second].wall_s
+            - results[best].seconds[c] / results[best].wall_s
+        )
+        for c in CATEGORIES
+        if c != "productive"
+    }
+    ranked = sorted(gap, key=gap.__getitem__, reverse=True)
+    costs = " and ".join(f"{c} (+{gap[c]:.2%})" for c in ranked[:2] if gap[c] > 0)
+    saves = " and ".join(f"{c} (−{-gap[c]:.2%})" for c in ranked[::-1][:2] if gap[c] < 0)
+    why = f"{second} loses more of the wall clock to {costs}" + (
+        f" than it saves on {saves}" if saves else ""
+    )
+    line = (
+        f"choose {best}: {results[best].effective_training_time:.2%} of the wall clock trains, against "
+        f"{second}'s {results[second].effective_training_time:.2%}; {why}."
+    )
+    if results[best].effective_training_time - results[second].effective_training_time < CLOSE:
+        line += " Both met the same failures (--seed); this close, another seed or --days may rank them otherwise."
+    return line
