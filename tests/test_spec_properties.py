@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import time
 from typing import Any
 
 import pytest
@@ -123,3 +124,30 @@ def test_a_spec_the_cli_accepts_the_server_accepts_too(case: tuple[dict[str, Any
     spec, _ = case
     if spec_accepts(spec):
         assert server_accepts(json.loads(json.dumps(spec))), spec
+
+
+VALIDATE_BOUND_S = 2.0  # issue 29: every check is bounded in time, whatever the numbers are
+
+
+def timed_validate(spec: dict[str, Any]) -> float:
+    """Seconds ``parse_spec`` took to accept or refuse ``spec`` (a refusal is a SpecError, never another)."""
+    start = time.perf_counter()
+    with contextlib.suppress(SpecError):
+        parse_spec(spec, "ui")
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"preset": "tiny", "n_layers": 10_000_000},
+        {"preset": "tiny-moe", "n_layers": 2**31 - 1},
+        {"preset": "tiny", "n_layers": 2**31 - 1},
+        {"preset": "custom", "n_layers": 2**31 - 2, "dim": 2**30, "n_heads": 2**29, "n_kv_heads": 1,
+         "ffn_dim": 2**31 - 1, "vocab_size": 2**31 - 1, "rope_theta": 1e300},
+    ],
+)  # fmt: skip
+def test_validating_a_huge_model_is_bounded_in_time(model: dict[str, Any]) -> None:
+    """The fit check plans per layer kind, not per layer, and lists divisors from a factorisation, so
+    ten million layers (or 2³¹) validate as fast as two."""
+    assert timed_validate(BASE | {"model": model}) < VALIDATE_BOUND_S

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.backends.chips import CHIPS
+from trainer.divisors import divisors
 from trainer.hub import HUB_URL_PREFIXES
 
 ModelPreset = Literal[
@@ -229,6 +230,12 @@ class ModelConfig(Strict):
     def is_moe_layer(self, layer: int) -> bool:
         every = self.moe.every_n_layers if self.moe else 0
         return every > 0 and layer % every == every - 1
+
+    @property
+    def moe_layer_count(self) -> int:
+        """How many layers ``is_moe_layer`` picks, counted without visiting them: the planner runs on
+        every validation, and n_layers may be up to 2³¹."""
+        return self.n_layers // self.moe.every_n_layers if self.moe else 0
 
     @property
     def expert_ffn_dim(self) -> int:
@@ -577,12 +584,12 @@ def layout_errors(
         value = getattr(model, name)
         if value % parallel.tp:
             errors.append(
-                f"parallel.tp={parallel.tp} must divide model.{name}={value}; use a tp from {_divisors(value)}"
+                f"parallel.tp={parallel.tp} must divide model.{name}={value}; use a tp from {divisors(value)}"
             )
     if model.n_layers % (parallel.pp * parallel.pp_virtual_stages):
         errors.append(
             f"parallel.pp×pp_virtual_stages={parallel.pp * parallel.pp_virtual_stages} must divide "
-            f"model.n_layers={model.n_layers}; use pp from {_divisors(model.n_layers)}"
+            f"model.n_layers={model.n_layers}; use pp from {divisors(model.n_layers)}"
         )
     errors += pipeline_schedule_errors(parallel, train)
     errors += expert_parallel_errors(model, parallel)
@@ -706,22 +713,18 @@ def expert_parallel_errors(model: ModelConfig, parallel: ParallelConfig) -> list
     if model.moe.n_experts % parallel.ep:
         errors.append(
             f"parallel.ep={parallel.ep} must divide model.moe.n_experts={model.moe.n_experts}; "
-            f"use ep from {_divisors(model.moe.n_experts)}"
+            f"use ep from {divisors(model.moe.n_experts)}"
         )
     if parallel.dp_shard % parallel.ep:
         errors.append(
             f"parallel.ep={parallel.ep} must divide parallel.dp_shard={parallel.dp_shard} (expert-parallel "
-            f"ranks are carved out of the FSDP shard ranks); use ep from {_divisors(parallel.dp_shard)}"
+            f"ranks are carved out of the FSDP shard ranks); use ep from {divisors(parallel.dp_shard)}"
         )
     if parallel.cp > 1:  # the experts' FSDP group would also have to span cp, which is not built yet
         errors.append(
             f"parallel.ep={parallel.ep} with parallel.cp={parallel.cp} is not supported; set one to 1"
         )
     return errors
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class JobConfig(Strict):
