@@ -15,12 +15,9 @@ from typing import Any
 
 from trainer.backends.chips import chips_for
 from trainer.config import MODEL_PRESETS, Accelerator
+from trainer.divisors import divisors
 
 ACCELERATORS: tuple[str, ...] = Accelerator.__args__
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _when(section: str, **conditions: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from trainer.config import JobConfig
 from trainer.failures import UserError
 from trainer.job import resolve_job
 from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
-from trainer.lease import Lease
+from trainer.lease import Lease, launcher_env
 from trainer.plan import Plan, plan_for_job
 from trainer.replica_groups import replica_groups
 from trainer.rundir import RunDir, runs_root
@@ -197,7 +197,7 @@ class Run:
     ) -> LaunchResult:
         return run_agents(
             commands,
-            launch_env(self.job),
+            launch_env(self.job) | launcher_env(self.run_id),
             self.dir,
             echo=echo,
             poll=poll,

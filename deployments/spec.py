@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from deployments.form import form_rules
 from trainer.backends.chips import CHIPS, chips_for
 from trainer.config import (
+    NO_CONTROL_CHARACTERS,
     CheckpointConfig,
     DataConfig,
     FaultsConfig,
@@ -51,6 +52,7 @@ PATTERN_MEANING = {
     POOL_PATTERN: "a work pool name: letters, digits, '_', '.' and '-'",
     IMAGE_PATTERN: "an image reference such as registry.example.com/team/tessera:tag",
     RUN_ID_PATTERN: "a run id such as tiny-local-3f2a9c1b (a spec name, '-', 8 hex digits)",
+    NO_CONTROL_CHARACTERS: "a path or URL without control characters (NUL, newline, tab)",
 }
 
 
@@ -167,6 +169,7 @@ class TrainingSpec(Strict):
         errors = layout_errors(self.model, self.parallel, self.train, cluster)
         errors += elastic_errors(self.model, self.parallel, self.train, cluster, self.faults)
         errors += replica_ft_errors(self.parallel, self.faults, self.checkpoint, cluster.nodes)
+        errors += warmup_errors(self.optimizer, self.train)
         if self.data.source == "files" and not self.data.paths:
             errors.append("data.source=files needs data.paths (files, globs or gs:// / s3:// URLs)")
         if errors:
@@ -194,6 +197,20 @@ class TrainingSpec(Strict):
             data_url=data_url,
             loader_workers=self.data.loader_workers,
         )
+
+
+def warmup_errors(optimizer: OptimizerConfig, train: TrainConfig) -> list[str]:
+    """A warmup longer than the run never reaches optimizer.lr: refused when the spec sets it; the
+    default (10) is cut to the run's length, so a short run's spec needs no warmup of its own."""
+    if optimizer.warmup_steps <= train.steps:
+        return []
+    if "warmup_steps" not in optimizer.model_fields_set:
+        object.__setattr__(optimizer, "warmup_steps", train.steps)  # skips validate_assignment's recursion
+        return []
+    return [
+        f"optimizer.warmup_steps={optimizer.warmup_steps} exceeds train.steps={train.steps}: the run would "
+        f"end before its learning rate reaches optimizer.lr; set warmup_steps at most {train.steps}"
+    ]
 
 
 class SpecError(ValueError):
@@ -239,7 +256,10 @@ def apply_overrides(spec: dict[str, Any], assignments: list[str]) -> dict[str, A
             section = section.setdefault(key, {})
             if not isinstance(section, dict):
                 raise SpecError(f"--set {assignment!r}: {key} is not a section of the spec")
-        section[keys[-1]] = read_yaml(text)
+        try:
+            section[keys[-1]] = read_yaml(text)
+        except yaml.YAMLError as exc:
+            raise SpecError(f"--set {assignment!r}: the value is not valid YAML: {exc}") from None
     return merged
 
 
@@ -248,7 +268,24 @@ MAX_SPEC_BYTES = 1 << 20  # a spec is a page of YAML; anything far larger is a w
 
 class SpecLoader(yaml.SafeLoader):
     """YAML with YAML 1.2's floats: PyYAML (YAML 1.1) reads ``lr: 1e-3`` as the string "1e-3", which
-    the spec, being strict, would refuse; people write it, so it is a float here as in JSON."""
+    the spec, being strict, would refuse; people write it, so it is a float here as in JSON.
+
+    A key given twice in one mapping is an error (YAML 1.2 says keys are unique; PyYAML keeps the last
+    silently, so ``train: {steps: 12, steps: 100000}`` trained 100,000 steps).
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[object, object]:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 SpecLoader.add_implicit_resolver(

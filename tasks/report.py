@@ -15,17 +15,17 @@ from tasks.keys import artifact_key
 from tasks.plan import plan_rows, publish_plan
 from trainer.checkpoint.manifest import list_checkpoints
 from trainer.measured import markdown_table
-from trainer.metrics import read_metrics
+from trainer.metrics import JsonLines, load_metrics
 
 
 def report_markdown(
     run: Run,
     final_url: str,
-    metrics: list[dict[str, Any]],
+    lines_read: JsonLines,
     evals: list[dict[str, Any]],
     missed: Sequence[str] = (),
 ) -> str:
-    spec = run.spec
+    spec, metrics = run.spec, lines_read.records
     last = metrics[-1] if metrics else {}
     lines = [
         f"# {run.run_id}: {spec.model.preset} on {spec.cluster.world_size} × {spec.cluster.chip}",
@@ -37,6 +37,11 @@ def report_markdown(
         f"Final step {last.get('step', '-')}: train loss {last.get('loss', float('nan')):.4f}, "
         f"{last.get('tokens_per_s', 0):.0f} tokens/s. Final checkpoint: `{final_url}`",
         "",
+        *(
+            [f"**{skipped}** (damaged).", ""]
+            if (skipped := lines_read.skipped_note(run.dir.metrics.name))
+            else []
+        ),
         *(
             ["Tokens per source: " + ", ".join(f"{k} {v:,}" for k, v in last["tokens_by_source"].items()), ""]
             if last.get("tokens_by_source")
@@ -59,8 +64,8 @@ def report_markdown(
 def report_task(run: Run, final_url: str, evals: list[dict[str, Any]], missed: list[str]) -> str:
     """The report artifact (and ``report.md``), the plan artifact with measured figures, and a comparison
     with the spec's previous run when there is one."""
-    metrics = read_metrics(run.dir.metrics)
-    publish_plan(run, metrics)  # the plan artifact's new version: planned beside measured
+    metrics = load_metrics(run.dir.metrics)
+    publish_plan(run, metrics.records)  # the plan artifact's new version: planned beside measured
     markdown = report_markdown(run, final_url, metrics, evals, missed) + "\n\n" + publish_goodput(run)
     create_markdown_artifact(
         markdown, key=artifact_key(run.run_id, "report"), description=f"Training report for run {run.run_id}"

@@ -197,7 +197,9 @@ def train(
         str | None, typer.Option(help="Prepared dataset manifest URL (default: synthetic tokens).")
     ] = None,
 ) -> None:
-    """Train SPEC under torchrun on this host; exits with the trainer's code (0 ok, 3 user error, 4 hang).
+    """Train SPEC under torchrun on this host; exits with the trainer's code (0 ok, 3 user error in
+    training, 4 hang), 1 when it refuses to start (invalid spec, checkpoint location is in use or
+    unwritable), 128+N when stopped by signal N.
 
     Example: tessera train deployments/specs/local-cpu.yaml --run-dir runs/manual
     """

@@ -77,3 +77,35 @@ def test_compare_diffs_specs_and_outcomes_and_finds_runs_by_any_name(tmp_path: P
     assert "| optimizer.lr | 0.003 | 0.001 |" in markdown and "![loss curves](comparison.png)" in markdown
     missing = CliRunner().invoke(app, ["compare", "cmp-0000000a", "nope"])
     assert missing.exit_code == 1 and "no run 'nope'" in missing.output
+
+
+DAMAGED_LINES = [
+    b"\xff\xfe\x00garbage\x80",  # binary: not UTF-8
+    b"42",  # JSON, but not a record
+    b"{}",  # a record without a step
+    b'{"step": 2, "loss": "abc"}',  # a loss that is no number
+    b'{"step": 3, "loss": 1.0, "tokens_per_s": [1]}',  # a field of the wrong shape
+    b'{"step": 4, "loss": 1.',  # torn by a killed writer
+]
+
+
+def damage(run: Run) -> None:
+    """Interleave every kind of damaged line with the run's readable ones."""
+    good = run.dir.metrics.read_bytes().splitlines()
+    mixed = [line for pair in zip(good, DAMAGED_LINES, strict=False) for line in pair]
+    run.dir.metrics.write_bytes(b"\n".join(mixed + good[len(DAMAGED_LINES) :] + DAMAGED_LINES[len(good) :]))
+
+
+def test_damaged_metrics_lines_are_skipped_counted_and_never_fail_a_comparison(tmp_path: Path) -> None:
+    a = trained(tmp_path, "cmp-0000000a", [1.0, 0.2, 0.2])
+    trained(tmp_path, "cmp-0000000b", [1.0, 0.1, 0.1])
+    damage(a)
+    record = RunRecord.read(a.dir)
+    assert [m["step"] for m in record.metrics] == [1, 2, 3]
+    assert record.skipped == "6 unreadable lines of metrics.jsonl skipped"
+    result = CliRunner().invoke(
+        app, ["compare", "cmp-0000000a", "cmp-0000000b", "--out", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "cmp-0000000a: 6 unreadable lines of metrics.jsonl skipped (damaged)." in result.output
+    assert "cmp-0000000b:" not in result.output.split("Spec differences", 1)[0].split("| MFU |", 1)[1]

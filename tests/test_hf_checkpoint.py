@@ -185,6 +185,73 @@ def test_cli_exports_and_imports(trained: tuple[str, dict[str, torch.Tensor]], t
     run_json.unlink()
 
 
+def hostile(good: bytes, damage: str) -> bytes:
+    """A safetensors file damaged the way an attacker or a broken download would."""
+    size = int.from_bytes(good[:8], "little")
+    if damage == "header too large":
+        return (10**10).to_bytes(8, "little") + good[8:]
+    if damage == "invalid JSON in header":
+        return (16).to_bytes(8, "little") + b"not json at all!" + good[24:]
+    if damage == "incomplete metadata, file not fully covered":
+        return good[: len(good) // 2]
+    header = json.loads(good[8 : 8 + size])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"] = [0, 10**9]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + good[8 + size :]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "header too large",
+        "invalid JSON in header",
+        "incomplete metadata, file not fully covered",
+        "invalid shape, data type, or offset for tensor",
+    ],
+)
+def test_a_hostile_or_truncated_safetensors_file_is_one_line_naming_it_and_the_cause(
+    trained: tuple[str, dict[str, torch.Tensor]],
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    damage: str,
+) -> None:
+    """Not DCP's 'CheckpointException ranks:dict_keys([0])' below a torch traceback."""
+    out = export_hf(trained[0], JOB, tmp_path / "hf")
+    (weights,) = out.glob("*.safetensors")
+    weights.write_bytes(hostile(weights.read_bytes(), damage))
+    capfd.readouterr()
+    with pytest.raises(UserError) as refused:
+        import_hf(out, JOB, str(tmp_path / "imported"))
+    assert str(refused.value).startswith(f"cannot read the HF weights in {weights}: {damage}")
+    assert "\n" not in str(refused.value) and "Traceback" not in "".join(capfd.readouterr())
+    assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize(
+    ("config", "refusal"),
+    [
+        (b"{not json", "config.json is not JSON: Expecting property name enclosed in double quotes"),
+        (b"[1, 2]", "config.json is not a JSON object of model settings, but a list"),
+        (None, "config.json: No such file or directory"),
+    ],
+)
+def test_a_malformed_config_json_is_one_line_naming_it(
+    trained: tuple[str, dict[str, torch.Tensor]], tmp_path: Path, config: bytes | None, refusal: str
+) -> None:
+    out = export_hf(trained[0], JOB, tmp_path / "hf")
+    if config is None:
+        (out / "config.json").unlink()
+    else:
+        (out / "config.json").write_bytes(config)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(json.dumps({"name": "hf", "seed": 3, "model": MODEL, "train": {"seq_len": 16}}))
+    result = CliRunner().invoke(app, ["import", str(out), str(tmp_path / "back"), "--spec", str(spec)])
+    assert result.exit_code == 1 and refusal in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
 # tiny-moe without its shared expert (Mixtral has none): 2 layers, 8 experts of width 128, top-2.
 TINY_MOE = {"preset": "tiny-moe", "moe": {"n_experts": 8, "top_k": 2}}
 # Every other layer sparse: layer 0 stays a dense SwiGLU of width 96, layer 1 has 4 experts of width 32.

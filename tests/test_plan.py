@@ -510,7 +510,7 @@ def test_published_runs_held_out_meet_the_goals() -> None:
 
 
 def test_divisors_are_bounded_for_huge_batches() -> None:
-    from trainer.plan.search import divisors
+    from trainer.divisors import divisors
 
     assert divisors(10**12, limit=16) == [1, 2, 4, 5, 8, 10, 16]
     assert divisors(360) == [d for d in range(1, 361) if 360 % d == 0]

@@ -66,6 +66,16 @@ def test_preset_fills_dimensions_and_override_wins() -> None:
         ({"train": {"steps": -1}}, "train.steps: Input should be greater than or equal to 1"),
         ({"model": {"preset": "custom", "dim": 64}}, "model.preset=custom needs model.n_layers"),
         ({"name": "Bad Name!"}, "name: 'Bad Name!' is not a name of lowercase letters, digits and '-'"),
+        ({"optimizer": {"lr": 1e300}}, "optimizer.lr: 1e+300 is above 1.0: AdamW moves every weight"),
+        (
+            {"train": {"steps": 12}, "optimizer": {"warmup_steps": 100}},
+            "optimizer.warmup_steps=100 exceeds train.steps=12: the run would end before its learning rate "
+            "reaches optimizer.lr",
+        ),
+        (
+            {"checkpoint": {"write_bandwidth_gbps": 1e-300, "interval": "auto"}},
+            "checkpoint.write_bandwidth_gbps: Input should be greater than or equal to 0.001",
+        ),
     ],
 )
 def test_bad_specs_name_the_field(patch: dict, needle: str) -> None:
@@ -82,6 +92,36 @@ def test_malformed_yaml_is_one_clear_error(tmp_path: Path) -> None:
     bad.write_text("- just\n- a list\n")
     with pytest.raises(SpecError, match="expected a mapping"):
         load_spec(bad)
+
+
+def test_a_key_given_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys: this would have trained 100,000 steps, not 12."""
+    spec = tmp_path / "dup.yaml"
+    spec.write_text("train:\n  steps: 12\n  seq_len: 32\n  steps: 100000\n")
+    with pytest.raises(SpecError, match=r"not valid YAML: key 'steps' appears twice in one mapping") as info:
+        load_spec(spec)
+    assert "line 4" in str(info.value)
+    with pytest.raises(SpecError, match="key 'steps' appears twice"):
+        apply_overrides({}, ["train={steps: 12, steps: 100000}"])
+    merged = tmp_path / "merge.yaml"  # a YAML merge key's values may be overridden: that is its purpose
+    merged.write_text("train: &t {steps: 4, seq_len: 32}\neval:\n  <<: {batches: 2}\n  batches: 3\n")
+    assert load_spec(merged).eval.batches == 3
+
+
+def test_the_default_warmup_is_cut_to_a_short_run_and_a_given_one_is_not() -> None:
+    assert parse_spec({"train": {"steps": 4}}).optimizer.warmup_steps == 4
+    assert parse_spec({"train": {"steps": 40}}).optimizer.warmup_steps == 10
+    assert parse_spec({"train": {"steps": 4}, "optimizer": {"warmup_steps": 4}}).optimizer.warmup_steps == 4
+
+
+def test_an_auto_interval_is_a_count_a_job_accepts_whatever_the_mtbf() -> None:
+    """A years-long MTBF makes Young/Daly's interval astronomically long: it is capped, not refused
+    by the trainer's job file after launch."""
+    from trainer.config import MAX_COUNT
+    from trainer.plan import resolve_checkpoint_interval
+
+    spec = parse_spec({"cluster": {"mtbf_hours": 1e300}, "checkpoint": {"interval": "auto"}})
+    assert resolve_checkpoint_interval(spec.job_config(data_url=None)) == MAX_COUNT
 
 
 def test_schema_documents_every_field() -> None:
@@ -122,6 +162,10 @@ def test_set_overrides_merge_into_a_spec_and_bad_ones_name_themselves() -> None:
         ("../elsewhere", "leaves the working directory"),
         ("data/../../elsewhere", "leaves the working directory"),
         ("s3://", "names no bucket or path"),
+        ("nosuch://bucket/x", "nosuch:// is not a storage protocol fsspec knows"),
+        ("data\x00x", "is not a path or URL without control characters"),
+        ("s3://bucket/x\ny", "is not a path or URL without control characters"),
+        ("ckpt\r", "is not a path or URL without control characters"),
     ],
 )
 def test_output_locations_are_confined_and_named(location: str, refusal: str) -> None:

@@ -195,6 +195,75 @@ def test_a_stopped_agent_is_killed_after_the_step_timeout_not_waited_for(tmp_pat
     )
 
 
+def tessera_train_group(spec_file: Path, run_dir: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``tessera train`` as a shell job: the leader of a process group of its own."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tessera.cli", "train", str(spec_file), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        process_group=0,
+    )
+
+
+def commit_times(run_dir: Path) -> dict[int, float]:
+    """When each good checkpoint was committed (its manifest's mtime), by step."""
+    return {
+        m.step: (run_dir / "checkpoints" / f"step-{m.step:06d}" / "tessera.json").stat().st_mtime
+        for m in list_checkpoints(str(run_dir / "checkpoints"))
+        if m.good
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_ranks_of_a_launch_killed_with_its_process_group_commit_nothing_beside_an_immediate_relaunch(
+    spec_file: Path, tmp_path: Path
+) -> None:
+    """kill -9 of the whole ``tessera train`` process group: its ranks (in sessions of their own) get
+    SIGTERM from their dying agent and would save the step they were on, while a relaunch started at
+    once already holds the location. They must commit nothing once their launcher is gone."""
+    run_dir = tmp_path / "run"
+    first = tessera_train_group(spec_file, run_dir, SLOW)
+    try:
+        wait_until(lambda: steps_logged(run_dir) >= 3 and commit_times(run_dir), "A's first checkpoint")
+        orphans = processes_of(run_dir)
+        os.killpg(first.pid, signal.SIGKILL)
+        killed_at = time.time()
+        second = tessera_train_group(spec_file, run_dir, SLOW)  # at once: A's launcher is gone
+        first.wait()
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in orphans), "A's ranks to end", 60)
+        orphans_gone_at = time.time()
+        late = {step: at for step, at in commit_times(run_dir).items() if killed_at < at <= orphans_gone_at}
+        wait_until(lambda: (run_dir / "checkpoints" / "owner.json").exists(), "B's lease")
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=WAIT_S)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.killpg(second.pid, signal.SIGKILL)
+    # B needs its ~10 s of start-up before it can commit anything; A's ranks end within seconds.
+    assert not late, f"A's ranks committed {sorted(late)} after their launcher was killed"
+    assert not processes_of(run_dir)
+
+
+def test_train_help_gives_the_exit_code_of_a_refused_launch() -> None:
+    """A launch refused before training (invalid spec, location in use or unwritable) exits 1, as
+    every CLI refusal does; 3 is the trainer's own user error (e.g. a NaN loss)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "train", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert "1 when it refuses to start" in done.stdout and "location is in use" in done.stdout, done.stdout
+
+
 @pytest.mark.parametrize("problem", ["a file", "a read-only filesystem"])
 def test_an_unwritable_checkpoint_location_is_refused_before_training(tmp_path: Path, problem: str) -> None:
     if problem == "a file":

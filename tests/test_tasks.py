@@ -24,12 +24,14 @@ from tasks.data import prepare_dataset_task
 from tasks.keys import artifact_key
 from tasks.plan import plan_task
 from tasks.provision import provision_task, teardown_task
+from tasks.report import report_task
 from tasks.train import TrainingFailed, retry_on_node_failure
 from tests.pipeline_specs import tiny_spec
 from trainer.agents import start_agent, stop_agent
 from trainer.data.manifest import read_manifest
 from trainer.failures import EXIT_PREEMPTED, classify_exit
 from trainer.plan.checkpointing import daly_interval_seconds
+from trainer.rundir import RunDir
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -167,3 +169,15 @@ def test_teardown_stops_agents_a_cancelled_train_task_left_running(tmp_path: Pat
     finally:
         stop_agent(stranger)
         stop_agent(agent)
+
+
+def test_a_damaged_metrics_file_never_fails_the_report(tmp_path: Path) -> None:
+    """Binary garbage, a bare number, an empty record, a loss that is a string: skipped, counted, reported."""
+    run = Run.open(tiny_spec(tmp_path, "damaged"), RunDir(tmp_path / "runs" / "damaged-0000000a"))
+    run.dir.metrics.parent.mkdir(parents=True, exist_ok=True)
+    run.dir.metrics.write_bytes(
+        b'\xff\xfe\x80\n42\n{}\n{"step": 1, "loss": "abc"}\n{"step": 2, "loss": 5.5, "tokens_per_s": 10.0}\n'
+    )
+    markdown = report_task.fn(run, "file:///final", [], [])
+    assert "Final step 2: train loss 5.5000" in markdown
+    assert "**4 unreadable lines of metrics.jsonl skipped** (damaged)." in markdown

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainer.failures import UserError
 from trainer.measured import markdown_table, median_of, steady
-from trainer.metrics import read_metrics
+from trainer.metrics import load_metrics
 from trainer.rundir import RunDir, runs_root
 
 FLOW_RUN_PREFIX = "train-"  # the pipeline names its flow runs train-<run id>
@@ -29,14 +29,17 @@ class RunRecord:
     spec: dict[str, Any]
     metrics: list[dict[str, Any]]
     evals: list[dict[str, Any]]
+    skipped: str = ""  # e.g. "3 unreadable lines of metrics.jsonl skipped"
 
     @classmethod
     def read(cls, run_dir: RunDir) -> RunRecord:
+        metrics = load_metrics(run_dir.metrics)
         return cls(
             run_dir.run_id,
             json.loads(run_dir.record.read_text())["spec"],
-            read_metrics(run_dir.metrics),
+            metrics.records,
             [json.loads(p.read_text()) for p in sorted(run_dir.evals.glob("step-*.json"))],
+            metrics.skipped_note(run_dir.metrics.name),
         )
 
 
@@ -108,6 +111,7 @@ def comparison_markdown(runs: list[RunRecord], curves: str) -> str:
             "",
             *markdown_table(outcome_rows(runs)),
             "",
+            *(f"{run.run_id}: {run.skipped} (damaged).\n" for run in runs if run.skipped),
             "Spec differences:" if diff else "The specs are the same (the name aside).",
             "",
             *(markdown_table(diff) if diff else []),

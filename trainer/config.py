@@ -13,9 +13,11 @@ import json
 import posixpath
 from typing import Annotated, Literal
 
+import fsspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.backends.chips import CHIPS
+from trainer.divisors import divisors
 from trainer.hub import HUB_URL_PREFIXES
 
 ModelPreset = Literal[
@@ -44,7 +46,12 @@ Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 Seconds = Annotated[float, Field(gt=0, le=7 * 24 * 3600)]
 
 
+MIN_WRITE_GBPS = 1e-3  # 1 MB/s: a 1B-parameter model's 12 GB checkpoint takes 3 h to write at it
+
 OUTPUT_RULE = "A relative path must stay inside the working directory."
+# No control characters (NUL, newline, tab, DEL) in a place tessera writes: a NUL ends the path early in
+# C, a newline splits a log or manifest line. In the JSON schema too, so the server refuses them.
+NO_CONTROL_CHARACTERS = r"^[^\x00-\x1f\x7f]*$"
 
 
 def confined_output(location: str) -> str:
@@ -56,6 +63,10 @@ def confined_output(location: str) -> str:
         scheme, _, rest = location.partition("://")
         if not scheme.isidentifier() or not rest.strip("/"):
             raise ValueError(f"{location!r} names no bucket or path; use e.g. s3://bucket/prefix")
+        if scheme not in fsspec.available_protocols():
+            raise ValueError(
+                f"{location!r}: {scheme}:// is not a storage protocol fsspec knows; use a path, gs:// or s3://"
+            )
         return location
     normalised = posixpath.normpath(location)
     if normalised == "/":
@@ -67,7 +78,7 @@ def confined_output(location: str) -> str:
     return normalised
 
 
-OutputLocation = Annotated[str, AfterValidator(confined_output)]
+OutputLocation = Annotated[str, Field(pattern=NO_CONTROL_CHARACTERS), AfterValidator(confined_output)]
 
 
 class Strict(BaseModel):
@@ -231,6 +242,12 @@ class ModelConfig(Strict):
         return every > 0 and layer % every == every - 1
 
     @property
+    def moe_layer_count(self) -> int:
+        """How many layers ``is_moe_layer`` picks, counted without visiting them: the planner runs on
+        every validation, and n_layers may be up to 2³¹."""
+        return self.n_layers // self.moe.every_n_layers if self.moe else 0
+
+    @property
     def expert_ffn_dim(self) -> int:
         return (self.moe and self.moe.expert_ffn_dim) or self.ffn_dim
 
@@ -312,17 +329,38 @@ class TrainConfig(Strict):
     )
 
 
+MAX_LR = 1.0
+MAX_LR_REASON = (
+    "AdamW moves every weight by about lr each step, so above 1 a single step moves weights far past "
+    "their scale (init std 0.02) and the loss diverges"
+)
+
+
 class OptimizerConfig(Strict):
     """AdamW with linear warmup then cosine decay to min_lr_ratio × lr."""
 
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    lr: float = Field(
+        3e-3, gt=0, le=MAX_LR, description=f"Peak learning rate, at most {MAX_LR}: {MAX_LR_REASON}."
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
-    warmup_steps: Count = Field(10, description="Linear warmup steps.")
+    warmup_steps: Count = Field(
+        10,
+        description="Linear warmup steps, at most train.steps (the default 10 is cut to train.steps on "
+        "shorter runs).",
+    )
     weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay.")
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     beta2: float = Field(0.95, ge=0, lt=1, description="Adam beta2.")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Max global gradient norm; 0 disables clipping.")
+
+    @field_validator("lr", mode="before")
+    @classmethod
+    def _lr_with_reason(cls, value: object) -> object:
+        """The bound's reason in the refusal itself (the constraint alone says only 'less than 1')."""
+        if isinstance(value, float | int) and not isinstance(value, bool) and value > MAX_LR:
+            raise ValueError(f"{value} is above {MAX_LR}: {MAX_LR_REASON}; typical peaks are 1e-4 to 1e-2")
+        return value
 
 
 class CheckpointConfig(Strict):
@@ -346,7 +384,11 @@ class CheckpointConfig(Strict):
         "writes in a thread; async_process writes in a separate process.",
     )
     write_bandwidth_gbps: float = Field(
-        2.0, gt=0, description="Assumed storage write bandwidth per node in GB/s (planner input)."
+        2.0,
+        ge=MIN_WRITE_GBPS,
+        le=10_000,
+        description="Assumed storage write bandwidth per node in GB/s (planner input), 0.001 (1 MB/s: "
+        "slower stores cannot hold checkpoints) to 10,000.",
     )
     memory_interval: PositiveInt | Literal["auto", "off"] = Field(
         "off",
@@ -577,12 +619,12 @@ def layout_errors(
         value = getattr(model, name)
         if value % parallel.tp:
             errors.append(
-                f"parallel.tp={parallel.tp} must divide model.{name}={value}; use a tp from {_divisors(value)}"
+                f"parallel.tp={parallel.tp} must divide model.{name}={value}; use a tp from {divisors(value)}"
             )
     if model.n_layers % (parallel.pp * parallel.pp_virtual_stages):
         errors.append(
             f"parallel.pp×pp_virtual_stages={parallel.pp * parallel.pp_virtual_stages} must divide "
-            f"model.n_layers={model.n_layers}; use pp from {_divisors(model.n_layers)}"
+            f"model.n_layers={model.n_layers}; use pp from {divisors(model.n_layers)}"
         )
     errors += pipeline_schedule_errors(parallel, train)
     errors += expert_parallel_errors(model, parallel)
@@ -706,22 +748,18 @@ def expert_parallel_errors(model: ModelConfig, parallel: ParallelConfig) -> list
     if model.moe.n_experts % parallel.ep:
         errors.append(
             f"parallel.ep={parallel.ep} must divide model.moe.n_experts={model.moe.n_experts}; "
-            f"use ep from {_divisors(model.moe.n_experts)}"
+            f"use ep from {divisors(model.moe.n_experts)}"
         )
     if parallel.dp_shard % parallel.ep:
         errors.append(
             f"parallel.ep={parallel.ep} must divide parallel.dp_shard={parallel.dp_shard} (expert-parallel "
-            f"ranks are carved out of the FSDP shard ranks); use ep from {_divisors(parallel.dp_shard)}"
+            f"ranks are carved out of the FSDP shard ranks); use ep from {divisors(parallel.dp_shard)}"
         )
     if parallel.cp > 1:  # the experts' FSDP group would also have to span cp, which is not built yet
         errors.append(
             f"parallel.ep={parallel.ep} with parallel.cp={parallel.cp} is not supported; set one to 1"
         )
     return errors
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class JobConfig(Strict):

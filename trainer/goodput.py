@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from trainer.metrics import read_metrics
+from trainer.metrics import read_json_lines, read_metrics
 
 SPAN_FLUSH_S = 1.0  # at most this much finished-step time is unrecorded when a process is killed: a
 # killed attempt's unrecorded steps count as its restart, not as recomputed steps
@@ -168,7 +168,7 @@ class Breakdown:
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    return read_metrics(path)  # the same JSONL rules: no file → none, a torn last line skipped
+    return read_json_lines(path).records  # the same JSONL rules: no file → none, a damaged line skipped
 
 
 def attempts_of(events: list[dict[str, Any]]) -> list[Attempt]:

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 LEASE_NAME = "owner.json"
 TTL_S = 30.0
+# Set for the ranks of a launch on this host: the lease holder (host, pid, run id) that launched them.
+LAUNCHER_ENV = "TESSERA_LAUNCHER"
 
 
 class LeaseHeld(UserError):
@@ -39,6 +41,36 @@ class LeaseHeld(UserError):
 
 def _this_launch() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+class LauncherGone(RuntimeError):
+    """This rank's launcher no longer holds the lease: it must not commit (or delete) checkpoints."""
+
+
+def launcher_env(run_id: str) -> dict[str, str]:
+    """The environment that tells a launch's ranks which lease holder launched them."""
+    return {LAUNCHER_ENV: json.dumps({**_this_launch(), "run_id": run_id})}
+
+
+def check_launcher(checkpoint_url: str) -> None:
+    """Raise :class:`LauncherGone` unless the launcher named by :data:`LAUNCHER_ENV` is alive and
+    still holds the lease on ``checkpoint_url``. Called before every commit: a ``tessera train``
+    killed with ``kill -9`` leaves its ranks (in sessions of their own) alive for seconds, and a
+    relaunch may already own the location; they would commit, and retire checkpoints, beside it.
+    Ranks launched without it (a Kubernetes job: its lease lives with the orchestrator) are not checked."""
+    launcher = json.loads(os.environ.get(LAUNCHER_ENV) or "null")
+    if launcher is None:
+        return
+    if _gone(launcher):
+        raise LauncherGone(
+            f"launcher pid {launcher['pid']} of run {launcher['run_id']!r} is gone; not committing to "
+            f"{checkpoint_url}"
+        )
+    holder = Lease(checkpoint_url, launcher["run_id"]).current()
+    if holder is None or {key: holder.get(key) for key in launcher} != launcher:
+        raise LauncherGone(
+            f"the lease on {checkpoint_url} is no longer this launch's (held by {holder}); not committing"
+        )
 
 
 def _gone(holder: dict[str, Any]) -> bool:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from trainer import storage
 
@@ -107,17 +108,67 @@ def mirror_of(path: Path, run_url: str | None) -> str | None:
     return storage.join(run_url, path.name) if run_url else None
 
 
-def read_metrics(source: Path | str) -> list[dict[str, Any]]:
-    """Every complete line of a metrics file, a local path or a store URL (a torn last line from a
-    killed writer is skipped); none when there is no file yet."""
+class JsonLines(NamedTuple):
+    """The records of a JSON-lines file, and how many of its lines could not be read as one."""
+
+    records: list[dict[str, Any]]
+    skipped: int
+
+    def skipped_note(self, name: str) -> str:
+        """'3 unreadable lines of metrics.jsonl skipped', or '' when none were."""
+        if not self.skipped:
+            return ""
+        return f"{self.skipped} unreadable line{'s' if self.skipped > 1 else ''} of {name} skipped"
+
+
+def read_json_lines(
+    source: Path | str, readable: Callable[[Any], bool] = lambda r: isinstance(r, dict)
+) -> JsonLines:
+    """The lines of a local or store JSONL file that parse and are ``readable``; a damaged line (not
+    UTF-8, not JSON, a torn last line from a killed writer, the wrong shape) is skipped and counted,
+    never an error: a report over a damaged file still reports. No file yet: none."""
     try:
-        text = Path(source).read_text() if isinstance(source, Path) else storage.read(source).decode()
+        data = Path(source).read_bytes() if isinstance(source, Path) else storage.read(source)
     except (FileNotFoundError, storage.StoreNotFound):
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+        return JsonLines([], 0)
+    records, skipped = [], 0
+    for line in data.splitlines():
+        if not line.strip():
             continue
-    return records
+        try:
+            record = json.loads(line)  # bytes: invalid UTF-8 is a ValueError too
+        except (ValueError, RecursionError):
+            record = None
+        if record is not None and readable(record):
+            records.append(record)
+        else:
+            skipped += 1
+    return JsonLines(records, skipped)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_metrics_record(record: object) -> bool:
+    """What every reader of a step's line relies on: an object with an integer ``step`` and a numeric
+    ``loss``, whose other fields are numbers, flags or null, or a mapping of numbers (tokens by source)."""
+    if not isinstance(record, dict) or type(record.get("step")) is not int or not _number(record.get("loss")):
+        return False
+    return all(
+        value is None
+        or isinstance(value, bool)
+        or _number(value)
+        or (isinstance(value, dict) and all(_number(v) for v in value.values()))
+        for value in record.values()
+    )
+
+
+def load_metrics(source: Path | str) -> JsonLines:
+    """A metrics file's step records, and the count of lines skipped as unreadable."""
+    return read_json_lines(source, is_metrics_record)
+
+
+def read_metrics(source: Path | str) -> list[dict[str, Any]]:
+    """Every readable step record of a metrics file, a local path or a store URL (see ``load_metrics``)."""
+    return load_metrics(source).records

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -289,6 +290,40 @@ def check_hf_config(config: dict[str, Any], cfg: ModelConfig) -> None:
         raise UserError(f"the HF model is not the spec's model: {'; '.join(wrong)}; set these in the spec")
 
 
+def first_line(exc: BaseException) -> str:
+    return next(iter(str(exc).splitlines()), type(exc).__name__)
+
+
+def read_hf_config(source: Path) -> dict[str, Any]:
+    """``config.json`` as a mapping, or a one-line error naming the file and what is wrong with it."""
+    path = source / CONFIG_NAME
+    try:
+        config = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}; give the directory of an HF export") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"{path} is not JSON: {first_line(exc)}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a JSON object of model settings, but a {type(config).__name__}")
+    return config
+
+
+def check_safetensors_headers(source: Path) -> None:
+    """Open every safetensors file's header before DCP reads them: a hostile or truncated one (a header
+    claiming 10 GB, not JSON, offsets past the end) is one line naming the file and safetensors' cause,
+    where DCP would print a traceback and say only ``CheckpointException ranks:dict_keys([0])``."""
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{source} holds no *.safetensors files; give the directory of an HF export")
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            cause = first_line(exc).removeprefix("Error while deserializing header: ")
+            raise UserError(f"cannot read the HF weights in {path}: {cause}") from None
+
+
 def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int = 0) -> str:
     """Write HF Llama/Mixtral safetensors as a committed tessera checkpoint (weights only) at checkpoint_url/step-N.
 
@@ -296,8 +331,8 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
     """
     check_exportable(job.model)
     source = Path(hf_dir)
-    config = json.loads((source / CONFIG_NAME).read_text())
-    check_hf_config(config, job.model)
+    check_hf_config(read_hf_config(source), job.model)
+    check_safetensors_headers(source)
     step_url = storage.join(checkpoint_url, step_dir_name(step))
     if read_manifest(step_url) is not None:
         raise UserError(f"{step_url} already holds a checkpoint; import into another checkpoint URL or step")
@@ -307,7 +342,8 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
     try:
         dcp.load(tensors, storage_reader=HuggingFaceStorageReader(str(source)), no_dist=True)
     except (CheckpointException, RuntimeError) as exc:
-        raise UserError(f"cannot read the HF weights in {source}: {str(exc).splitlines()[0]}") from None
+        cause = next(iter(exc.failures.values()))[0] if isinstance(exc, CheckpointException) else exc
+        raise UserError(f"cannot read the HF weights in {source}: {first_line(cause)}") from None
     # Routing biases (balance: bias) start at zero, as in a fresh model: HF's format has none.
     biases = {fqn: torch.zeros(t.shape) for fqn, t in meta.items() if fqn.endswith(BIAS_SUFFIX)}
     with store.dcp_errors("saving", step_url):

@@ -44,6 +44,7 @@ from trainer.checkpoint.state import ModelOptimizerState, RNGState
 from trainer.config import CheckpointConfig
 from trainer.failures import is_infra_error
 from trainer.fault_injection import FaultInjector
+from trainer.lease import check_launcher
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,7 @@ class CheckpointManager:
 
     def _commit_and_retain(self, manifest: Manifest, step_url: str) -> None:
         manifest.files = digest_files(step_url)
+        check_launcher(self.url)  # orphaned ranks of a killed launch commit nothing, and delete nothing
         write_manifest(step_url, manifest)
         log.info("committed checkpoint %s (%d files)", step_url, len(manifest.files))
         self._retain()

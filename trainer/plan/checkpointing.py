@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from trainer.backends.chips import Chip
-from trainer.config import CheckpointConfig, HardwareConfig
+from trainer.config import MAX_COUNT, CheckpointConfig, HardwareConfig
 from trainer.plan.layout import Geometry
 
 CHECKPOINT_BYTES_PER_PARAM = 4 + 8  # fp32 weights + AdamW m, v (gradients are not saved)
@@ -95,5 +95,7 @@ def daly_interval_seconds(blocking_s: float, mtbf_s: float) -> float:
 
 
 def interval_steps(blocking_s: float, write_s: float, mtbf_s: float, step_s: float) -> int:
-    seconds = max(daly_interval_seconds(blocking_s, mtbf_s), write_s)
-    return max(1, round(seconds / step_s))
+    """Steps between checkpoints, at most ``MAX_COUNT`` (what a job's interval field holds): a
+    years-long MTBF or a very slow store gives "never" in effect, not an interval no job accepts."""
+    steps = max(daly_interval_seconds(blocking_s, mtbf_s), write_s) / step_s
+    return MAX_COUNT if steps >= MAX_COUNT else max(1, round(steps))

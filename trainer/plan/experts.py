@@ -21,8 +21,7 @@ from trainer.plan.profile import HardwareProfile
 
 
 def moe_layers_per_stage(geo: Geometry) -> float:
-    model = geo.model
-    return sum(model.is_moe_layer(layer) for layer in range(model.n_layers)) / geo.parallel.pp
+    return geo.model.moe_layer_count / geo.parallel.pp
 
 
 def all_to_alls_per_layer(geo: Geometry) -> int:

@@ -50,18 +50,18 @@ def count_params(model: ModelConfig) -> ParamCounts:
     d, hd = model.dim, model.head_dim
     attention = d * model.n_heads * hd * 2 + d * model.n_kv_heads * hd * 2  # wq, wo; wk, wv
     swiglu = 3 * d  # per unit of hidden width: w1, w3 (d→f) and w2 (f→d)
-    ffn_total = ffn_active = routed = inactive = 0
-    for layer in range(model.n_layers):
-        if model.is_moe_layer(layer):
-            moe, expert = model.moe, swiglu * model.expert_ffn_dim
-            router = d * moe.n_experts
-            ffn_total += router + (moe.n_experts + moe.shared_experts) * expert
-            ffn_active += router + (moe.top_k + moe.shared_experts) * expert
-            routed += moe.n_experts * expert
-            inactive += (moe.n_experts - moe.top_k) * expert
-        else:
-            ffn_total += swiglu * model.ffn_dim
-            ffn_active += swiglu * model.ffn_dim
+    # Per layer kind, not per layer: validation plans every spec, whatever its n_layers.
+    moe_layers = model.moe_layer_count
+    dense_ffn = (model.n_layers - moe_layers) * swiglu * model.ffn_dim
+    ffn_total = ffn_active = dense_ffn
+    routed = inactive = 0
+    if moe_layers:
+        moe, expert = model.moe, swiglu * model.expert_ffn_dim
+        router = d * moe.n_experts
+        ffn_total += moe_layers * (router + (moe.n_experts + moe.shared_experts) * expert)
+        ffn_active += moe_layers * (router + (moe.top_k + moe.shared_experts) * expert)
+        routed = moe_layers * moe.n_experts * expert
+        inactive = moe_layers * (moe.n_experts - moe.top_k) * expert
     vocab = model.vocab_size * d
     return ParamCounts(
         embedding=vocab,
@@ -78,10 +78,9 @@ def count_params(model: ModelConfig) -> ParamCounts:
 def active_ffn_dim(model: ModelConfig) -> float:
     """SwiGLU hidden width one token goes through, averaged over blocks (top_k + shared experts in an
     MoE block): what its FFN matmuls and activations scale with."""
-    widths = [
-        (model.moe.top_k + model.moe.shared_experts) * model.expert_ffn_dim
-        if model.is_moe_layer(layer)
-        else model.ffn_dim
-        for layer in range(model.n_layers)
-    ]
-    return sum(widths) / model.n_layers
+    moe_layers = model.moe_layer_count
+    dense = (model.n_layers - moe_layers) * model.ffn_dim
+    moe = (
+        moe_layers * (model.moe.top_k + model.moe.shared_experts) * model.expert_ffn_dim if moe_layers else 0
+    )
+    return (dense + moe) / model.n_layers

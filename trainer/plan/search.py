@@ -16,6 +16,7 @@ from trainer.config import (
     TrainConfig,
     layout_errors,
 )
+from trainer.divisors import divisors
 from trainer.plan.comms import fast_domain_chips
 from trainer.plan.layout import Geometry
 from trainer.plan.memory import STATE_BYTES, estimate_memory
@@ -25,30 +26,6 @@ from trainer.plan.profile import HardwareProfile
 AC_CHOICES: tuple[ActivationCheckpointing, ...] = ("none", "selective", "full")
 MAX_MICRO_BATCH = 16  # larger micro-batches only add activation memory once matmuls are saturated
 MAX_NODES = 2**20  # how far a refusal looks for a cluster that fits
-
-
-def prime_factors(n: int) -> dict[int, int]:
-    """Trial division up to √n: instant for the smooth numbers batch sizes are, ~10⁶ steps at worst."""
-    factors: dict[int, int] = {}
-    divisor = 2
-    while divisor * divisor <= n:
-        while n % divisor == 0:
-            factors[divisor] = factors.get(divisor, 0) + 1
-            n //= divisor
-        divisor += 1 if divisor == 2 else 2
-    if n > 1:
-        factors[n] = factors.get(n, 0) + 1
-    return factors
-
-
-def divisors(n: int, limit: int | None = None) -> list[int]:
-    """Sorted divisors of n up to ``limit``, built from n's factorisation (never a scan up to n)."""
-    found = [1]
-    for prime, power in prime_factors(n).items():
-        found = [
-            d * prime**k for d in found for k in range(power + 1) if limit is None or d * prime**k <= limit
-        ]
-    return sorted(found)
 
 
 def degree_splits(chips: int, tp_limit: int) -> Iterator[dict[str, int]]:
