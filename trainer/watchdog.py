@@ -7,7 +7,9 @@ retries it as a node failure. ``os._exit`` because the main thread is blocked an
 
 A step's allowance is ``faults.step_timeout_s`` or :data:`SLOWEST_STEP_FACTOR` times the slowest step
 of this attempt so far, whichever is longer: a machine that got busier slows every step and is not
-hung, while a hang never ends, so the multiple still catches it.
+hung, while a hang never ends, so the multiple still catches it. The attempt's first step, which also
+warms up (allocations, compilation, the first collectives) and has nothing measured before it, is
+allowed ``first_step_s`` (``faults.collective_timeout_s``, which bounds its collectives anyway) if longer.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ SLOWEST_STEP_FACTOR = 10.0
 
 
 class StepWatchdog:
-    def __init__(self, timeout_s: float, rank: int) -> None:
+    def __init__(self, timeout_s: float, rank: int, first_step_s: float = 0.0) -> None:
         self.timeout_s = timeout_s
+        self.first_step_s = first_step_s
         self.rank = rank
         self._step = 0
         self._deadline: float | None = None
@@ -44,6 +47,8 @@ class StepWatchdog:
         self._thread.join()
 
     def allowance_s(self) -> float:
+        if not self.slowest_s:
+            return max(self.timeout_s, self.first_step_s)
         return max(self.timeout_s, SLOWEST_STEP_FACTOR * self.slowest_s)
 
     def arm(self, step: int) -> None:
@@ -67,7 +72,7 @@ class StepWatchdog:
                 print(
                     f"[rank {self.rank}] step {step} hung: no progress for {allowed:.3g}s (faults.step_timeout_s="
                     f"{self.timeout_s:g}s, or {SLOWEST_STEP_FACTOR:g}x the slowest step so far, "
-                    f"{self.slowest_s:.3g}s); exiting with code {EXIT_HANG} (node failure) so the job "
+                    f"{self.slowest_s:.3g}s, or for a first step {self.first_step_s:g}s); exiting with code {EXIT_HANG} (node failure) so the job "
                     "restarts from the last checkpoint",
                     file=sys.stderr,
                     flush=True,
