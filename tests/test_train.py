@@ -136,7 +136,8 @@ def test_watchdog_turns_a_hang_into_a_node_failure(hung_run: tuple[Path, LaunchR
     base, result = hung_run
     assert result.returncode == 1 and result.worker_exit_code == EXIT_HANG, result.log_tail
     assert result.kind == "node_failure"
-    assert "step 6 hung: no progress for faults.step_timeout_s=10s" in result.log_tail
+    assert "step 6 hung: no progress for" in result.log_tail
+    assert "(faults.step_timeout_s=10s, or 10x the slowest step so far" in result.log_tail
     (manifest,) = list_checkpoints(str(base / "from4" / "checkpoints"))
     assert (manifest.step, manifest.world_size, manifest.status) == (4, 4, "committed")
 
@@ -431,3 +432,18 @@ def test_watchdog_ends_a_hung_process_with_the_hang_code() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == EXIT_HANG
     assert "[rank 1] step 7 hung" in done.stderr
+
+
+def test_watchdog_allows_a_multiple_of_the_slowest_step_so_far() -> None:
+    """A busier machine slows every step: the first step (a warm-up) gets its own allowance; step 2,
+    past the 1 s floor but under ten times step 1, is no hang; step 3, which never ends, still is, after
+    ten times the slowest step."""
+    code = (
+        "import time\nfrom trainer.watchdog import StepWatchdog\n"
+        "with StepWatchdog(1.0, rank=0, first_step_s=30) as w:\n"
+        "    for step, pause in ((1, 1.2), (2, 1.5), (3, 600)):\n"
+        "        w.arm(step)\n        time.sleep(pause)\n        w.disarm()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_HANG
+    assert "[rank 0] step 3 hung" in done.stderr, done.stderr

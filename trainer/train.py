@@ -169,7 +169,7 @@ def restore(session: Session) -> tuple[int, str]:
     if session.memory is not None:
         session.memory.discard_after(step)  # snapshots past it belong to the abandoned timeline
     if session.replicas is not None:  # a live peer replica ahead of this one: heal from it
-        own, step = step, session.replicas.join(step, session.state["app"], session.loader)
+        own, step = step, session.replicas.join(step, session.state["app"], session.loader, session.device)
         if step != own:
             source = "healed from a live replica"
     return step, source
@@ -229,7 +229,8 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
         enabled=session.rank == 0,
         mirror_url=mirror_of(run_dir.metrics, job.run_url),
     )
-    with StepWatchdog(job.faults.step_timeout_s, session.rank) as watchdog, metrics:
+    watchdog = StepWatchdog(job.faults.step_timeout_s, session.rank, job.faults.collective_timeout_s)
+    with watchdog, metrics:
         for step in range(start + 1, job.train.steps + 1):
             watchdog.arm(step)
             began, began_wall = time.perf_counter(), time.time()
