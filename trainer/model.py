@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trainer.config import ModelConfig
+from trainer.loss import linear_cross_entropy, token_loss
 from trainer.moe import MoE
 
 # Small init for projections (GPT-2 / Llama practice); residual outputs shrink with depth so the
@@ -121,7 +122,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids [B, T] -> logits [B, T, vocab]; a pipeline stage maps hidden states or ids to either."""
+    """Token ids [B, T] -> logits [B, T, vocab], or with targets the mean token loss; a pipeline stage
+    maps hidden states or ids to either hidden states or logits."""
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
         super().__init__()
@@ -133,16 +135,28 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Set by tensor parallelism, whose head splits the logits over the vocabulary: the loss then
+        # needs them (loss_parallel) rather than the fused head-and-loss.
+        self.vocab_parallel = False
         # Non-persistent: derived from the config, so never checkpointed and rebuilt by init_weights.
         self.register_buffer("rope", rope_table(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        """targets: next tokens [B, T]; given them, the head returns the mean token loss (fp32) without
+        holding the logits. The loss runs here, not after the call, because this is where FSDP holds
+        the gathered output weight and DDP sees its use."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rope)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        if targets is None:
+            return self.output(h)
+        if self.vocab_parallel:
+            return token_loss(self.output(h), targets)
+        return linear_cross_entropy(h, self.output.weight, targets)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
