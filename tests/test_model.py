@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.dispatch import RecordOps
 from trainer.config import JobConfig, ModelConfig
 from trainer.model import Attention, Transformer, apply_rope, param_count, rope_table
 from trainer.parallel.pipeline import split_stage
@@ -102,6 +103,36 @@ def test_grouped_query_attention_matches_explicit_softmax_attention() -> None:
     scores = scores.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), float("-inf"))
     expected = attention.wo((F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(2, SEQ, -1))
     torch.testing.assert_close(attention(x, rope), expected)
+
+
+def test_grouped_query_attention_reads_key_and_value_heads_without_copying_them() -> None:
+    attention, rope = Attention(TINY), rope_table(TINY.head_dim, SEQ, TINY.rope_theta)
+    x = torch.randn(2, SEQ, TINY.dim)
+    with RecordOps() as ops:
+        attention(x, rope).sum().backward()
+    assert not ops.ran("repeat_interleave") and not ops.ran("index_select"), [op for op, _ in ops.outputs]
+
+
+def fp32_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """RoPE as the definition reads: upcast, rotate each pair, cast back."""
+    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rope[None, : x.shape[1], None].unbind(-1)
+    return torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_the_fp32_rotation_bit_for_bit_without_an_fp32_copy(dtype: torch.dtype) -> None:
+    rope = rope_table(TINY.head_dim, SEQ, TINY.rope_theta)
+    x = torch.randn(2, SEQ, TINY.n_heads, TINY.head_dim).to(dtype).requires_grad_()
+    grad = torch.randn(x.shape).to(dtype)
+    with RecordOps() as ops:
+        out = apply_rope(x, rope)
+        (x_grad,) = torch.autograd.grad(out, x, grad)
+    expected = fp32_rope(x, rope)
+    (expected_grad,) = torch.autograd.grad(expected, x, grad)
+    assert torch.equal(out, expected) and torch.equal(x_grad, expected_grad)
+    if dtype == torch.bfloat16:  # fp32 only in half-width products, never a copy of x or of the result
+        assert ops.largest(torch.float32) == x.numel() // 2
 
 
 def test_tied_embeddings_share_one_matrix() -> None:

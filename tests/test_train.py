@@ -410,6 +410,20 @@ def test_lr_schedule_warms_up_decays_and_resumes_at_any_step() -> None:
     assert resumed.param_groups[0]["lr"] == continuous[5]
 
 
+def test_adamw_is_fused_where_every_parameter_is_on_cuda_and_torchs_default_elsewhere() -> None:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    on_gpu = torch.nn.Module()
+    with FakeTensorMode():  # CUDA parameters without a GPU: the optimizer is only built, never stepped
+        on_gpu.weight = torch.nn.Parameter(torch.empty(4, 4, device="cuda"))
+        on_gpu.bias = torch.nn.Parameter(torch.empty(4, device="cuda"))
+    on_cuda = build_optimizer(on_gpu, OptimizerConfig())
+    on_cpu = build_optimizer(torch.nn.Linear(4, 4), OptimizerConfig())
+    assert on_cuda.defaults["fused"] is True
+    assert on_cpu.defaults["fused"] is None and on_cpu.defaults["foreach"] is None
+
+
 def test_metrics_writer_drops_steps_after_the_resumed_one(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     with MetricsWriter(path, resumed_step=0, enabled=True) as writer:

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -19,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, PipelineSchedule
 from trainer.local_tensor import local_tensor
+from trainer.loss import token_loss
 from trainer.model import Transformer, param_count
 from trainer.moe import auxiliary_loss_scale
 from trainer.parallel.context import shard_sequence
@@ -32,14 +32,6 @@ from trainer.parallel.replicate import sync_gradients_on_last
 # start from bit-identical weights. Larger models are initialized shard by shard after parallelizing
 # (deterministic per layout, never materialized whole).
 FULL_INIT_MAX_PARAMS = 2**30
-
-
-def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy over all tokens, in fp32 whatever the compute dtype.
-
-    Under tensor parallelism the logits are a DTensor split over the vocabulary, and this (and its
-    backward) must run inside :func:`loss_context`; the loss is then a replicated DTensor."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def loss_context(mesh: DeviceMesh) -> AbstractContextManager[None]:
@@ -101,7 +93,7 @@ class ParallelModel:
             sync_gradients_on_last(model, last=i == n_microbatches - 1, whole=whole)
             with loss_context(self.mesh):
                 with auxiliary_loss_scale(1 / n_microbatches):  # e.g. MoE balancing: weighed like this loss
-                    loss = token_loss(model(x), y)
+                    loss = model(x, y)  # the head and loss in one (trainer.model.Transformer.forward)
                 (loss / n_microbatches).backward()
             total += local_tensor(loss.detach())  # loss_parallel's is a replicated DTensor
         return total / n_microbatches

@@ -39,6 +39,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
         edges["output"] = ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
         )
+        model.vocab_parallel = True
     parallelize_module(model, tp_mesh, edges)
     if model.cfg.tie_embeddings:
         # parallelize_module distributed the two uses separately; both are Shard(0) of [vocab, dim].
