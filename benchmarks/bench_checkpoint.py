@@ -5,6 +5,10 @@ One process trains the ``small`` preset (AdamW, so ~3x the weights are saved) an
 ``last_stall_s``: in async mode whatever of the background copy the next optimizer step had to wait
 for, plus waiting for the previous save; in sync mode the whole write + hash + commit. Reported: mean stall per checkpoint for each mode and ``ratio`` = async / sync. Goal <= 0.1.
 
+Beside it, the disk: a sync save's GB/s (the whole write, fsync and commit, with its hashes) over the raw
+sequential write speed (fsync'd) of the same directory measured in the same run (``save_over_raw_write``;
+the GPU benchmark's goal for it is >= 0.8).
+
 Run: ``python -m benchmarks.bench_checkpoint`` (writes benchmarks/results/checkpoint.json).
 """
 
@@ -22,6 +26,7 @@ from benchmarks.common import Goal, Headline, main
 from trainer.checkpoint import CheckpointManager, ModelOptimizerState
 from trainer.config import CheckpointConfig, ModelConfig
 from trainer.model import Transformer
+from trainer.plan.disk import raw_disk_speed
 
 SEQ_LEN = 128
 SAVES = 3
@@ -66,6 +71,8 @@ def run() -> dict[str, float]:
     with tempfile.TemporaryDirectory() as sync_dir, tempfile.TemporaryDirectory() as async_dir:
         sync = bench_mode("sync", sync_dir)
         async_ = bench_mode("async", async_dir)
+        raw = raw_disk_speed(Path(sync_dir), sync["checkpoint_bytes"])
+    save_gbps = sync["checkpoint_bytes"] / sync["stall_s"] / 1e9
     return {
         "stall_async_s": async_["stall_s"],
         "stall_sync_s": sync["stall_s"],
@@ -74,6 +81,9 @@ def run() -> dict[str, float]:
         "train_step_s": sync["train_step_s"],
         "checkpoint_bytes": sync["checkpoint_bytes"],
         "saves": SAVES,
+        "save_gbps": save_gbps,
+        "raw_write_gbps": raw["write_gbps"],
+        "save_over_raw_write": save_gbps / raw["write_gbps"],
     }
 
 

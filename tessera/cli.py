@@ -170,17 +170,51 @@ def calibrate(
     processes: Annotated[
         int, typer.Option(help="Largest process group whose collectives are measured (2, 4, ...).")
     ] = 4,
+    accelerator: Annotated[
+        str | None,
+        typer.Option(help="cpu, gpu, tpu or trainium (default: gpu where CUDA sees one, else cpu)."),
+    ] = None,
+    chip: Annotated[
+        str | None,
+        typer.Option(help="The catalog's chip, where the device's name does not say it (TPU, Trainium)."),
+    ] = None,
+    checkpoint_dir: Annotated[
+        Path, typer.Option(help="Directory whose disk's write speed the plan prices checkpoints at.")
+    ] = Path("runs"),
 ) -> None:
-    """Measure this machine (GEMM throughput over shapes, memory bandwidth, kernel overhead, a real
-    block's matmul and element-wise rates, FSDP's round trip on one process; per process-group size:
-    collective α/β, compute and memory shares, FSDP and TP block round trips) and write a chip profile
-    for `tessera plan --profile`.
+    """Measure this machine's device and write a chip profile for `tessera plan --profile`.
 
-    Example: tessera calibrate --out runs/calibration/cpu.json
+    On a GPU, timed by CUDA events: GEMM throughput over shapes (bf16, fp32, fp8 where the GPU has
+    it), HBM bandwidth (a device-to-device copy), fused attention, a real block's matmul and
+    element-wise rates, launch overhead, and NCCL's collective α/β over 2, 4, 8 GPUs. On CPU, per
+    process with one thread: the same figures, FSDP's round trip on one process, and per process-group
+    size (gloo) collective α/β, compute and memory shares, FSDP and TP block round trips. Both: the
+    checkpoint directory's raw write speed. The profile names the catalog's chip from the device's
+    name, or says which name it did not recognise (then pass --chip).
+
+    Example: tessera calibrate --out runs/calibration/h200.json
     """
+    import torch
+
+    from trainer.backends import get_backend
     from trainer.plan.calibrate import calibrate as measure
 
-    typer.echo(f"chip profile: {measure(out, max_ranks=processes)}")
+    name = accelerator or ("gpu" if torch.cuda.is_available() else "cpu")
+    try:
+        backend = get_backend(name)
+        if chip is not None:
+            backend.chip(chip)  # an unknown chip, or one of another accelerator, fails here
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    backend.require()
+    profile = measure(out, processes, backend.device(0), chip, checkpoint_dir=checkpoint_dir)
+    if "unrecognised_device" in profile:
+        typer.secho(
+            f"the chip catalog has no {profile['unrecognised_device']!r}: the profile's chip is "
+            f"{profile['chip']!r}; rerun with --chip NAME if it is one of the catalog's",
+            err=True,
+        )
+    typer.echo(f"chip profile: {out} (chip {profile['chip']})")
 
 
 @app.command()

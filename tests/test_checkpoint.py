@@ -28,6 +28,7 @@ from trainer.checkpoint import (
     read_manifest,
 )
 from trainer.checkpoint.manager import steps_to_delete
+from trainer.checkpoint.store import WRITER_THREADS
 from trainer.checkpoint.validate import validate_checkpoint
 from trainer.config import CheckpointConfig
 from trainer.evaluate import evaluate_checkpoint
@@ -79,7 +80,9 @@ def test_async_and_sync_saves_commit_and_retention_keeps_last_and_every_kth(save
             assert (manifest.world_size, manifest.layout) == (4, {"dp_shard": 4})
             assert manifest.tokens == manifest.step * TOKENS_PER_STEP
             assert manifest.model_fingerprint == FINGERPRINT
-            assert set(manifest.files) == {".metadata", *(f"__{rank}_0.distcp" for rank in range(4))}
+            # a file per writer thread on every rank (trainer.checkpoint.store.WRITER_THREADS)
+            shards = {f"__{rank}_{file}.distcp" for rank in range(4) for file in range(WRITER_THREADS)}
+            assert set(manifest.files) == {".metadata", *shards}
 
 
 @pytest.mark.dist
@@ -200,6 +203,32 @@ def test_injected_death_mid_save_leaves_a_partial_never_a_commit(tmp_path: Path)
     assert "injected fault: SIGKILL rank 0 inside step 2's checkpoint write" in done.stderr
     assert [(m.step, m.status) for m in list_checkpoints(str(tmp_path))] == [(1, "committed")]
     assert any((tmp_path / "step-000002").glob("*.distcp"))  # the shards landed; the commit did not
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_that_would_outlast_the_run_is_not_started(tmp_path: Path, mode: str) -> None:
+    """The final step's forced save waits for a save in flight: an interval save that the last
+    committed save's duration says would still be running at the final step is skipped, so the end of
+    the run waits for one save, never two. The durations are set, not measured: nothing here is timed."""
+    manager = CheckpointManager(
+        str(tmp_path), CheckpointConfig(mode=mode, keep_last=10), 2, FINGERPRINT, 1, 0, {}
+    )
+    state = {"w": torch.zeros(4)}
+    for step in range(1, 9):
+        if step == 4:  # the save at step 2 is known to take far longer than the 4 steps left after 4
+            manager._wait()
+            manager._save_s = 1e6
+        manager.maybe_save(step, state, {"tokens": step}, force=step == 8, last_step=8)
+    manager.close()
+    assert [m.step for m in list_checkpoints(str(tmp_path))] == [2, 8]
+    # without a known duration, or without the final step, every interval save is written
+    plain = CheckpointManager(
+        str(tmp_path / "plain"), CheckpointConfig(mode=mode, keep_last=10), 2, FINGERPRINT, 1, 0, {}
+    )
+    for step in range(1, 9):
+        plain.maybe_save(step, state, {"tokens": step}, force=step == 8)
+    plain.close()
+    assert [m.step for m in list_checkpoints(str(tmp_path / "plain"))] == [2, 4, 6, 8]
 
 
 def test_retention_keeps_newest_good_and_every_kth_and_drops_partials_and_corrupt() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.backends.chips import get_chip
+from trainer.backends.chips import chip_for_device, get_chip
 from trainer.config import CheckpointConfig, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.model import TransformerBlock, rope_table
 from trainer.plan import calibrate, make_plan
@@ -21,6 +21,7 @@ from trainer.plan.compute import block_seconds, elementwise_bytes, fsdp_copy_byt
 from trainer.plan.kernels import memory_seconds
 from trainer.plan.layout import Geometry
 from trainer.plan.profile import HardwareProfile, catalog_profile, load_profile
+from trainer.plan.timers import CudaEventTimer, HostTimer, device_timer
 from trainer.plan.timing import fsdp_host_seconds, tp_host_seconds
 
 LATENCY, PER_BYTE = 2e-3, 3e-9  # a round trip of λ = 2 ms + 3 ns per fp32 parameter byte
@@ -316,3 +317,56 @@ def test_bandwidths_scale_with_the_memory_share_and_compute_with_the_compute_sha
     four = hw.on_node(4)  # more processes than measured: each gets half of that again
     assert four.peak("fp32") == pytest.approx(hw.peak("fp32") / 2)
     assert four.elementwise_bandwidth == pytest.approx(6e9 * 0.35)
+
+
+@pytest.mark.parametrize(
+    ("name", "memory_gib", "chip"),
+    [
+        ("NVIDIA H200", 139.8, "h200"),  # what the H200 lent here said
+        ("NVIDIA H100 80GB HBM3", 79.6, "h100-sxm"),
+        ("NVIDIA H100", 94.5, "h100-96gb"),
+        ("NVIDIA H100 NVL", 93.6, "h100-nvl"),
+        ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80gb"),
+        ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"),
+        ("Tesla V100-SXM2-32GB", 31.7, "v100-32gb"),
+        ("NVIDIA B200", 178.4, "b200"),
+        ("NVIDIA H100 PCIe", 79.6, None),
+        ("NVIDIA GeForce RTX 4090", 23.6, None),
+    ],
+)
+def test_a_gpu_is_named_as_the_catalog_names_it(name: str, memory_gib: float, chip: str | None) -> None:
+    assert chip_for_device(name, memory_gib * 2**30) == chip
+
+
+def test_a_profile_of_an_unrecognised_device_says_so_and_how_to_name_it(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"chip": "nvidia foo", "unrecognised_device": "NVIDIA Foo"}))
+    with pytest.raises(ValueError, match=r"did not recognise the device 'NVIDIA Foo'.*--chip h200"):
+        load_profile(get_chip("h200"), path)
+
+
+def test_the_plan_prices_checkpoint_writes_at_the_measured_disk_where_a_profile_has_it(
+    tmp_path: Path,
+) -> None:
+    model, parallel, train = ModelConfig(preset="small"), ParallelConfig(), TRAIN
+    hardware, checkpoint = HardwareConfig(chips_per_node=1), CheckpointConfig(write_bandwidth_gbps=2.0)
+    catalog = make_plan(model, parallel, train, hardware, checkpoint)
+    assert catalog.checkpoint_write_s == pytest.approx(catalog.checkpoint_bytes / 2e9)
+    profile = cpu_profile(tmp_path, checkpoint_write_bandwidth=5e8)
+    assert profile.sources["checkpoint_write_bandwidth"].startswith("calibrated")
+    measured = make_plan(model, parallel, train, hardware, checkpoint, profile=profile)
+    assert measured.checkpoint_write_s == pytest.approx(measured.checkpoint_bytes / 5e8)
+
+
+def test_calibration_times_the_host_on_its_clock_and_a_gpu_on_cuda_events() -> None:
+    assert isinstance(device_timer(torch.device("cpu")), HostTimer)
+    assert isinstance(device_timer(torch.device("cuda", 0)), CudaEventTimer)  # built lazily: no GPU needed
+    ticks = []
+    assert HostTimer(torch.device("cpu")).seconds(lambda: ticks.append(1), 3) >= 0 and len(ticks) == 3
+
+
+def test_a_link_is_alpha_from_the_smallest_all_gather_and_beta_from_the_largest() -> None:
+    # 4 ranks: α = 10 µs per ring step; 3/4 of 1 GB moved at 100 GB/s after 3 α
+    timings = [{"bytes": 1024, "seconds": 30e-6}, {"bytes": 1e9, "seconds": 30e-6 + 0.75e9 / 100e9}]
+    latency, bandwidth = calibrate.fit_link(timings, 4)
+    assert (latency, bandwidth) == pytest.approx((10e-6, 100e9))

@@ -278,7 +278,7 @@ def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRec
             saving = time.time()
             goodput.step(step, began_wall, saving)
             force = step == job.train.steps or stop
-            session.ckpt.maybe_save(step, session.state, meta=meta, force=force)
+            session.ckpt.maybe_save(step, session.state, meta=meta, force=force, last_step=job.train.steps)
             if force or step % session.ckpt.interval_steps == 0:
                 goodput.checkpoint(step, saving, time.time())
             if session.memory is not None:

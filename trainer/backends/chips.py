@@ -369,3 +369,30 @@ def get_chip(name: str) -> Chip:
         return CHIPS[name]
     except KeyError:
         raise ValueError(f"unknown chip {name!r}; known chips: {', '.join(CHIPS)}") from None
+
+
+# What ``torch.cuda.get_device_name()`` says for the catalog's GPUs, most specific first, with the
+# smallest memory each needs where one name covers two chips: "NVIDIA H200" (seen on an H200),
+# "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL", "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB",
+# "NVIDIA B200". A PCIe H100 is none of the catalog's chips.
+GPU_NAMES: tuple[tuple[str, float, str | None], ...] = (
+    ("H200", 0, "h200"),
+    ("H100 PCIE", 0, None),
+    ("H100 NVL", 0, "h100-nvl"),
+    ("H100", 90 * GiB, "h100-96gb"),
+    ("H100", 0, "h100-sxm"),
+    ("A100", 60 * GiB, "a100-80gb"),
+    ("A100", 0, "a100-40gb"),
+    ("V100", 0, "v100-32gb"),
+    ("B200", 0, "b200"),
+)
+
+
+def chip_for_device(device_name: str, memory_bytes: float) -> str | None:
+    """The catalog's name of a GPU from what CUDA calls it and its memory; None if it is not in the
+    catalog."""
+    upper = device_name.upper()
+    for fragment, least_memory, chip in GPU_NAMES:
+        if fragment in upper and memory_bytes >= least_memory:
+            return chip
+    return None

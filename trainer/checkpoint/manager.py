@@ -75,6 +75,13 @@ class CheckpointManager:
         # optimizer step that waited for a background copy (summing it over steps gives the total).
         self.last_stall_s = 0.0
         self._hook_stall_s = 0.0
+        # Rank 0's clock for not starting a save the run's end would wait for (see _would_outlast_run):
+        # when the last maybe_save call came, the step time between the last two, when the save in
+        # flight began, and how long the last committed one took from its start to its commit.
+        self._last_call: float | None = None
+        self._step_s: float | None = None
+        self._save_began = 0.0
+        self._save_s: float | None = None
         with store.store_errors("create checkpoint directory", self.url):
             storage.filesystem(self.url)  # fail now, naming the URL, rather than at the first save
             if rank == 0:
@@ -143,20 +150,50 @@ class CheckpointManager:
         log.info("loaded checkpoint %s (step %d)", manifest.url, manifest.step)
 
     def maybe_save(
-        self, step: int, state: dict[str, Stateful], meta: dict[str, Any], force: bool = False
+        self,
+        step: int,
+        state: dict[str, Stateful],
+        meta: dict[str, Any],
+        force: bool = False,
+        last_step: int | None = None,
     ) -> None:
-        """Save at every ``interval_steps`` (or when forced); see ``last_stall_s`` for the time it blocked."""
+        """Save at every ``interval_steps`` (or when forced); see ``last_stall_s`` for the time it blocked.
+
+        With ``last_step`` (the run's final step, which is saved forced), an interval save that would
+        still be in flight then is skipped: the final save would wait for it, and the run's end would be
+        held up for more than one save."""
         start = time.perf_counter()
+        if self._last_call is not None:
+            self._step_s = start - self._last_call
+        self._last_call = start
         stalled_in_optimizer, self._hook_stall_s = self._hook_stall_s, 0.0
-        if not force and step % self.interval_steps:
+        if not force and (step % self.interval_steps or self._would_outlast_run(step, last_step)):
             self.last_stall_s = stalled_in_optimizer
             return
         self._save(step, state, meta)
         self.last_stall_s = stalled_in_optimizer + time.perf_counter() - start
 
+    def _would_outlast_run(self, step: int, last_step: int | None) -> bool:
+        """Whether a save started at ``step`` would outlast the steps left before ``last_step``, at the
+        last committed save's duration and the last step's time; rank 0's clock decides for every rank
+        (they must all save, or none). Unknown until a save has committed: then it saves."""
+        if last_step is None:
+            return False
+        late = (
+            self.rank == 0
+            and self._step_s is not None
+            and self._save_s is not None
+            and (last_step - step) * self._step_s < self._save_s
+        )
+        if self._rank0_says("skip" if late else "") != "skip":
+            return False
+        log.info("not saving step %d: the save would still be in flight at the final step", step)
+        return True
+
     def _save(self, step: int, state: dict[str, Stateful], meta: dict[str, Any]) -> None:
         """Save ``state`` as step ``step``, unless that step is already committed (a retried attempt)."""
         self._wait()
+        self._save_began = time.perf_counter()
         step_url = storage.join(self.url, step_dir_name(step))
         existing = read_manifest(step_url)
         if existing is not None and existing.good:
@@ -293,7 +330,8 @@ class CheckpointManager:
         manifest.files = digest_files(step_url)
         check_launcher(self.url)  # orphaned ranks of a killed launch commit nothing, and delete nothing
         write_manifest(step_url, manifest)
-        log.info("committed checkpoint %s (%d files)", step_url, len(manifest.files))
+        self._save_s = time.perf_counter() - self._save_began
+        log.info("committed checkpoint %s (%d files, %.1f s)", step_url, len(manifest.files), self._save_s)
         self._retain()
 
     def newest_step(self) -> int:

@@ -26,6 +26,11 @@ from trainer.checkpoint.safe_load import SafeLoadPlanner, SafeMetadataReader
 from trainer.units import MiB
 
 _READ_BLOCK = 16 * MiB
+# DCP's FileSystemWriter writes one file per thread (the rank's tensors split evenly by size): one
+# thread, its default, left a 13.6 GB save on an H200 at 0.32 GB/s, below what one stream of that disk
+# takes. Each thread serialises and fsyncs its own file, so the disk sees several streams at once;
+# beyond the host's cores they would only contend for them.
+WRITER_THREADS = min(8, os.cpu_count() or 1)
 
 
 def store_errors(action: str, url: str) -> AbstractContextManager[None]:
@@ -62,7 +67,7 @@ class ObjectStoreWriter(FsspecWriter):
     fallback of fsync on a non-file stream is a machine-wide ``os.sync()``)."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(path, sync_files=False, **storage.storage_options(path))
+        super().__init__(path, sync_files=False, thread_count=WRITER_THREADS, **storage.storage_options(path))
         self.fs = _ObjectStoreFileSystem()
         self.path = self.fs.init_path(path, **storage.storage_options(path))
 
@@ -81,8 +86,11 @@ class ObjectStoreReader(SafeMetadataReader, FsspecReader):
 
 
 def storage_writer(url: str) -> StorageWriter:
+    """DCP's writer for ``url``: ``WRITER_THREADS`` files per rank, each written by its own thread."""
     path = _local_path(url)
-    return FileSystemWriter(path) if path is not None else ObjectStoreWriter(url)
+    if path is None:
+        return ObjectStoreWriter(url)
+    return FileSystemWriter(path, thread_count=WRITER_THREADS)
 
 
 def storage_reader(url: str) -> StorageReader:

@@ -15,6 +15,21 @@ Microbenchmarks on whatever backend the process has (plain torch, no Prefect):
 On CPU each figure is per process with one thread, as torchrun runs the trainer's workers
 (OMP_NUM_THREADS=1).
 
+On an accelerator the same functions run on the device, at the trainer's compute dtype (bf16) and at
+sizes that fill it (``DEVICE_SHAPES``), timed by the device (``trainer.plan.timers``: CUDA events on
+GPUs): the matmul grid (and an fp8 one where the GPU has fp8 matmuls), HBM bandwidth from a
+device-to-device copy, fused attention, a real block's matmul and element-wise rates, and per group of
+2, 4, 8 GPUs NCCL's all-gather α and β and its reduce-scatter and all-reduce against the ring model.
+Nothing there measures the host: its share, FSDP and TP round-trip terms are host costs an
+accelerator's queue hides, so a device profile leaves them out (the catalog's zero). The profile names
+the catalog's chip from the device's name (``chips.chip_for_device``), or says which name it did not
+recognise. TPU and Trainium: their runtimes expose no event timer or device name here, so the
+host clock around a synchronised queue times them, ``--chip`` names them, and collectives are not
+measured (the catalog's links stay).
+
+The checkpoint directory's raw write speed (``trainer.plan.disk``) becomes the profile's
+``checkpoint_write_bandwidth``, which the plan's checkpoint write time uses.
+
 Every figure a step's time is made of is a rate the step sustains, not the host's best: the median
 over windows of back-to-back calls (``sustained_seconds``), the median collective, the slowest rank's
 median window with all of a group's processes busy at once. The matmul grid alone keeps its best
@@ -37,7 +52,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +60,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.backends.chips import get_chip
+from trainer.backends.chips import chip_for_device, chips_for, get_chip
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig
 from trainer.local_tensor import local_tensor
 from trainer.plan.compute import block_matmuls, block_seconds, elementwise_bytes
+from trainer.plan.disk import raw_disk_speed
 from trainer.plan.kernels import gemm_seconds
 from trainer.plan.layout import Geometry
-from trainer.plan.profile import HardwareProfile, catalog_profile
+from trainer.plan.profile import HardwareProfile, MatmulPrecision, catalog_profile
+from trainer.plan.timers import HostTimer, Timer, device_timer
+from trainer.units import GiB, MiB
 
 GEMM_SIZES = (32, 128, 512, 1024)  # each of m, n, k; the largest square sets the peak
 COLLECTIVE_BYTES = (2**10, 2**14, 2**18, 2**20, 2**22)
@@ -83,29 +101,99 @@ PROBE_BLOCK: dict[str, Any] = dict(
 )
 PROBE_BATCH, PROBE_SEQ = 2, 256
 TP_SEQ, TP_BATCHES = 128, (2, 8)  # the two points of the TP line (sequences of a training length)
+# An accelerator's probe block: sized like a billion-parameter model's (a GPU's matmuls reach their
+# plateau there) but shaped unlike the benchmark rows', so their plans extrapolate from it too.
+DEVICE_PROBE_BLOCK: dict[str, Any] = dict(
+    preset="custom",
+    n_layers=1,
+    dim=3072,
+    n_heads=24,
+    n_kv_heads=8,
+    ffn_dim=8192,
+    vocab_size=8,
+    rope_theta=5e5,
+)
+# NCCL's collectives: from latency-bound to well past the size where the links saturate.
+DEVICE_COLLECTIVE_BYTES = (2**16, 2**20, 2**24, 2**28)
+ACCELERATORS = {"cpu": "cpu", "cuda": "gpu", "tpu": "tpu", "neuron": "trainium"}  # torch device → family
+CHECKPOINT_PROBE_BYTES = {"cpu": 256 * MiB, "device": 4 * GiB, "quick": 16 * MiB}
 
 
-def best_seconds(fn: Callable[[], object], repeats: int = 5, min_time: float = 0.02) -> float:
+@dataclass(frozen=True)
+class Shapes:
+    """The sizes calibration measures at, and for how long it samples each sustained rate."""
+
+    gemm_sizes: tuple[int, ...]
+    copy_elements: int
+    attention: tuple[int, int, int, int]  # batch, heads, sequence, head dim
+    block: dict[str, Any]
+    block_batch: int
+    block_seq: int
+    precision: MatmulPrecision  # what the trainer's matmuls compute in there
+    sustain_s: float = SUSTAIN_S
+    windows: int = SUSTAIN_WINDOWS
+
+
+HOST_SHAPES = Shapes(GEMM_SIZES, COPY_ELEMENTS, (2, 4, 256, 64), PROBE_BLOCK, PROBE_BATCH, PROBE_SEQ, "fp32")
+# A device's sustained windows are short: its rates hardly vary, and no scheduler ticks interrupt it.
+DEVICE_SHAPES = Shapes(
+    (512, 2048, 4096, 8192), 2**28, (2, 16, 4096, 128), DEVICE_PROBE_BLOCK, 1, 4096, "bf16", 0.05, 5
+)
+# `make test`'s dry run of the GPU benchmark: the host's code path in seconds, its figures rough.
+QUICK_SHAPES = replace(HOST_SHAPES, gemm_sizes=(32, 128, 256), sustain_s=0.02, windows=3)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Where calibration measures: the device, the timer it reads, and the shapes it measures at."""
+
+    device: torch.device
+    timer: Timer
+    shapes: Shapes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.shapes.precision]
+
+    def sustained(self, fn: Callable[[], object], window_s: float | None = None) -> float:
+        window = self.shapes.sustain_s if window_s is None else window_s
+        return sustained_seconds(fn, window, self.shapes.windows, self.timer)
+
+
+HOST = HostTimer(torch.device("cpu"))
+
+
+def host_probe(quick: bool = False) -> Probe:
+    return Probe(torch.device("cpu"), HOST, QUICK_SHAPES if quick else HOST_SHAPES)
+
+
+def best_seconds(
+    fn: Callable[[], object], repeats: int = 5, min_time: float = 0.02, timer: Timer = HOST
+) -> float:
     """Best over ``repeats`` of the mean time of enough calls to last ``min_time`` (after a warm-up).
 
     The best, for the matmul grid only: its peak and knee are the shape of the roofline (ratios between
     shapes), measured in short windows on a shared host; the level a step sustains is set against that
     ceiling by ``block_figures`` (sustained), which the gemm efficiency carries."""
-    return min(_window_means(fn, _calls_lasting(fn, min_time), repeats))
+    return min(_window_means(fn, _calls_lasting(fn, min_time, timer), repeats, timer))
 
 
-def _calls_lasting(fn: Callable[[], object], window_s: float) -> int:
-    """How many back-to-back calls of ``fn`` last ``window_s`` (after one warm-up call)."""
+def _calls_lasting(fn: Callable[[], object], window_s: float, timer: Timer = HOST) -> int:
+    """How many back-to-back calls of ``fn`` last ``window_s`` (after one warm-up call), counted in
+    doubling batches, each timed as a whole (a device's timer synchronises once per batch)."""
     fn()
-    calls, began = 1, time.perf_counter()
-    while time.perf_counter() - began < window_s:
-        fn()
-        calls += 1
+    calls, elapsed = 1, 0.0
+    while elapsed < window_s:
+        elapsed += calls * timer.seconds(fn, calls)
+        calls *= 2
     return calls
 
 
 def sustained_seconds(
-    fn: Callable[[], object], window_s: float = SUSTAIN_S, windows: int = SUSTAIN_WINDOWS
+    fn: Callable[[], object],
+    window_s: float = SUSTAIN_S,
+    windows: int = SUSTAIN_WINDOWS,
+    timer: Timer = HOST,
 ) -> float:
     """Median over ``windows`` of the mean time per call in a window of back-to-back calls lasting
     ``window_s`` (after a warm-up).
@@ -115,34 +203,54 @@ def sustained_seconds(
     median step; a window's mean includes those interruptions, and the median over windows, like the
     step median, leaves out a rare burst. (``best_seconds`` keeps the fastest window: a ceiling, which
     a step does not sustain.)"""
-    return _window_median(fn, _calls_lasting(fn, window_s), windows)
+    return _window_median(fn, _calls_lasting(fn, window_s, timer), windows, timer)
 
 
-def _window_median(fn: Callable[[], object], calls: int, windows: int = SUSTAIN_WINDOWS) -> float:
+def _window_median(
+    fn: Callable[[], object], calls: int, windows: int = SUSTAIN_WINDOWS, timer: Timer = HOST
+) -> float:
     """Median over ``windows`` of the mean seconds per call in ``calls`` back-to-back calls."""
-    return statistics.median(_window_means(fn, calls, windows))
+    return statistics.median(_window_means(fn, calls, windows, timer))
 
 
-def _window_means(fn: Callable[[], object], calls: int, windows: int) -> list[float]:
+def _window_means(fn: Callable[[], object], calls: int, windows: int, timer: Timer = HOST) -> list[float]:
     """The mean seconds per call of ``windows`` windows, each ``calls`` back-to-back calls."""
-    means = []
-    for _ in range(windows):
-        began = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - began) / calls)
-    return means
+    return [timer.seconds(fn, calls) for _ in range(windows)]
 
 
-def gemm_grid(dtype: torch.dtype) -> list[dict[str, float]]:
+def gemm_grid(dtype: torch.dtype, probe: Probe) -> list[dict[str, float]]:
     rows = []
-    for m in GEMM_SIZES:
-        for n in GEMM_SIZES:
-            for k in GEMM_SIZES:
-                a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-                seconds = best_seconds(lambda a=a, b=b: a @ b, repeats=3)
+    sizes = probe.shapes.gemm_sizes
+    for m in sizes:
+        for n in sizes:
+            for k in sizes:
+                a = torch.randn(m, k, dtype=dtype, device=probe.device)
+                b = torch.randn(k, n, dtype=dtype, device=probe.device)
+                seconds = best_seconds(lambda a=a, b=b: a @ b, repeats=3, timer=probe.timer)
                 rows.append({"m": m, "n": n, "k": k, "flops_per_s": 2 * m * n * k / seconds})
     return rows
+
+
+def fp8_grid(probe: Probe) -> list[dict[str, float]]:
+    """The square shapes of the grid as fp8 (e4m3) matmuls with bf16 output, the kernel torchao's
+    ``Float8Linear`` runs (``torch._scaled_mm``; its second operand column-major)."""
+    rows = []
+    one = torch.tensor(1.0, device=probe.device)
+    for size in probe.shapes.gemm_sizes:
+        a = torch.randn(size, size, device=probe.device).to(torch.float8_e4m3fn)
+        b = torch.randn(size, size, device=probe.device).to(torch.float8_e4m3fn).t()
+
+        def matmul(a: torch.Tensor = a, b: torch.Tensor = b) -> object:
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        seconds = best_seconds(matmul, repeats=3, timer=probe.timer)
+        rows.append({"m": size, "n": size, "k": size, "flops_per_s": 2 * size**3 / seconds})
+    return rows
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    """CUDA devices of compute capability 8.9 (Ada) or later run fp8 matmuls."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fit_knee(rows: list[dict[str, float]], peak: float) -> float:
@@ -152,6 +260,15 @@ def fit_knee(rows: list[dict[str, float]], peak: float) -> float:
         ratio = min(row["flops_per_s"] / peak, 0.999)
         knees.append(min(row["m"], row["n"], row["k"]) * (1 - ratio) / ratio)
     return statistics.median(knees)
+
+
+def copy_bandwidth(probe: Probe) -> float:
+    """Bytes per second a plain copy moves (read + write) on the device, far past any cache: HBM's
+    bandwidth on an accelerator (a device-to-device copy), the memory's on a host."""
+    source = torch.randn(probe.shapes.copy_elements, device=probe.device)
+    target = torch.empty_like(source)
+    seconds = probe.sustained(lambda: target.copy_(source))
+    return 2 * FP32_BYTES * probe.shapes.copy_elements / seconds
 
 
 def share_work() -> dict[str, Callable[[], object]]:
@@ -179,48 +296,61 @@ def share(alone_s: float, concurrent_s: float, world: int, cores: int) -> float:
     return min(1.0, cores / world, alone_s / concurrent_s)
 
 
-def kernel_overhead() -> float:
+def kernel_overhead(probe: Probe) -> float:
     """Seconds of host work per kernel: one tiny Transformer block (trainer/model.py, dim 8, one token)
-    forward and backward, whose device work is nil, over the kernels the planner counts for it."""
+    forward and backward, whose device work is nil, over the kernels the planner counts for it. On the
+    host's clock (a device timer would see the nil device work, not the launches)."""
     from trainer.plan.compute import BACKWARD_KERNELS, BLOCK_KERNELS
 
     cfg = ModelConfig(
         preset="custom", n_layers=1, dim=8, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=8, rope_theta=1e4
     )
-    block, x, rope = _block_input(cfg, 1, 1)
-    seconds = sustained_seconds(lambda: block(x, rope).sum().backward())
+    block, x, rope = _block_input(cfg, 1, 1, probe)
+    host = replace(probe, timer=HostTimer(probe.device))
+    seconds = host.sustained(lambda: block(x, rope).sum().backward())
     return seconds / ((1 + BACKWARD_KERNELS) * BLOCK_KERNELS[False])
 
 
-def attention_efficiency(peak: float, knee: float) -> float:
+def attention_efficiency(peak: float, knee: float, probe: Probe) -> float:
     """Fraction of peak SDPA (causal) reaches fwd + bwd, net of the shape factor the planner applies."""
-    batch, heads, seq, head_dim = 2, 4, 256, 64
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    batch, heads, seq, head_dim = probe.shapes.attention
+    q, k, v = (
+        torch.randn(batch, heads, seq, head_dim, device=probe.device, dtype=probe.dtype, requires_grad=True)
+        for _ in range(3)
+    )
 
     def step() -> None:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
     flops = 3.5 * 2 * batch * seq * seq * heads * head_dim  # fwd + 2.5× bwd, causal half of 4·b·s²·w
-    return flops / sustained_seconds(step) / (peak * seq / (seq + knee))
+    return flops / probe.sustained(step) / (peak * seq / (seq + knee))
 
 
-def _probe_geometry(batch: int, seq: int) -> Geometry:
-    """The planner's view of the probe block on one fp32 process."""
-    model = ModelConfig(**PROBE_BLOCK)
+def _probe_geometry(batch: int, seq: int, probe: Probe) -> Geometry:
+    """The planner's view of the probe block on one process, in the probe's compute dtype."""
+    shapes = probe.shapes
+    model = ModelConfig(**shapes.block)
     train = TrainConfig(steps=1, seq_len=seq, micro_batch_size=batch, global_batch_size=batch)
-    return Geometry(model=model, parallel=ParallelConfig(), train=train, accelerator="cpu")
+    parallel = ParallelConfig(mixed_precision="bf16" if shapes.precision == "bf16" else "fp32")
+    accelerator = ACCELERATORS[probe.device.type]
+    return Geometry(model=model, parallel=parallel, train=train, accelerator=accelerator)
 
 
 def _block_input(
-    cfg: ModelConfig, batch: int, seq: int
+    cfg: ModelConfig, batch: int, seq: int, probe: Probe | None = None
 ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A block, its input and its RoPE table, on the probe's device in its compute dtype (the
+    trainer's FSDP casts parameters to it)."""
     from trainer.model import TransformerBlock, rope_table
 
-    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)  # a block's input needs its gradient too
-    return TransformerBlock(cfg), x, rope_table(cfg.head_dim, seq, cfg.rope_theta)
+    probe = probe or host_probe()
+    block = TransformerBlock(cfg).to(probe.device, probe.dtype)
+    # a block's input needs its gradient too
+    x = torch.randn(batch, seq, cfg.dim, device=probe.device, dtype=probe.dtype, requires_grad=True)
+    return block, x, rope_table(cfg.head_dim, seq, cfg.rope_theta).to(probe.device)
 
 
-def block_figures(hw: HardwareProfile) -> dict[str, float]:
+def block_figures(hw: HardwareProfile, probe: Probe) -> dict[str, float]:
     """What a real block reaches on this machine, as the planner's figures.
 
     ``gemm_efficiency`` (η_max): the probe block's matmuls, each in the three orientations forward and
@@ -231,22 +361,28 @@ def block_figures(hw: HardwareProfile) -> dict[str, float]:
     beyond the planner's price for everything else in it (matmuls at that η, attention, launches). So the
     planner's block equals the measured one for the probe's shape; other shapes extrapolate from it.
     Never faster than a plain copy (``hw.hbm_bandwidth``). Both at the rates a step sustains
-    (``sustained_seconds``).
+    (``sustained_seconds``), in the trainer's compute dtype on the probe's device.
     """
-    geo = _probe_geometry(PROBE_BATCH, PROBE_SEQ)
+    shapes = probe.shapes
+    geo = _probe_geometry(shapes.block_batch, shapes.block_seq, probe)
     ideal = measured = 0.0
     for m, n, k in block_matmuls(geo):
-        x, w, g = torch.randn(int(m), int(k)), torch.randn(int(n), int(k)), torch.randn(int(m), int(n))
+        x, w, g = (
+            torch.randn(int(rows), int(cols), device=probe.device, dtype=probe.dtype)
+            for rows, cols in ((m, k), (n, k), (m, n))
+        )
         for matmul in (
             lambda x=x, w=w: torch.nn.functional.linear(x, w),
             lambda g=g, w=w: g @ w,
             lambda g=g, x=x: g.t() @ x,
         ):
-            measured += sustained_seconds(matmul, window_s=SUSTAIN_S / 2)
-        ideal += sum(gemm_seconds(*shape, hw, "fp32") for shape in ((m, n, k), (m, k, n), (k, n, m)))
+            measured += probe.sustained(matmul, window_s=shapes.sustain_s / 2)
+        ideal += sum(
+            gemm_seconds(*shape, hw, shapes.precision) for shape in ((m, n, k), (m, k, n), (k, n, m))
+        )
     efficiency = hw.gemm_efficiency * ideal / measured
-    block, x, rope = _block_input(geo.model, PROBE_BATCH, PROBE_SEQ)
-    whole = sustained_seconds(lambda: block(x, rope).sum().backward())
+    block, x, rope = _block_input(geo.model, shapes.block_batch, shapes.block_seq, probe)
+    whole = probe.sustained(lambda: block(x, rope).sum().backward())
     rest = block_seconds(geo, replace(hw, gemm_efficiency=efficiency, elementwise_bandwidth=math.inf))
     elementwise = 3 * elementwise_bytes(geo)
     spare = whole - rest.forward - rest.backward
@@ -463,8 +599,7 @@ def _collective_worker(rank: int, world: int, port: int, out: str, calls: dict[s
 
 
 def collective_link(world: int, alone: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """α from the smallest all-gather (all latency: t = (n−1)·α), β from the largest after removing it:
-    t = (n−1)·α + S·(n−1)/n / B (two points: a shared host's timings are too noisy for a fit); and the
+    """α and β of gloo's all-gathers (``fit_link``); the
     share of one process's matmul rate each of ``world`` processes gets when all compute at once
     (against ``alone``: ``alone_rates``, the same work in one process, sustained), and of its memory
     bandwidth (a copy: the memory sockets and caches are shared, so n streaming processes each get
@@ -477,10 +612,7 @@ def collective_link(world: int, alone: dict[str, dict[str, float]]) -> dict[str,
         mp.spawn(_collective_worker, args=(world, _free_port(), out, calls), nprocs=world, join=True)
         result = json.loads(Path(out).read_text())
     timings = result["timings"]
-    latency = timings[0]["seconds"] / (world - 1)
-    largest = timings[-1]
-    moved = largest["bytes"] * (world - 1) / world
-    bandwidth = moved / max(largest["seconds"] - (world - 1) * latency, 1e-9)
+    latency, bandwidth = fit_link(timings, world)
     fsdp_latency, fsdp_per_byte = fit_round_trip(result["fsdp"])
     tp_latency, tp_per_byte = fit_round_trip(result["tp"])
     cores = os.cpu_count() or world
@@ -508,43 +640,182 @@ def collective_link(world: int, alone: dict[str, dict[str, float]]) -> dict[str,
     }
 
 
-def measure(max_ranks: int = 4) -> dict[str, Any]:
-    """Every figure of the profile, measured in this process (one thread) and in gloo groups of 2..max_ranks."""
-    torch.set_num_threads(1)
-    grids = {name: gemm_grid(dtype) for name, dtype in DTYPES.items()}
+def _device_collective_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One GPU's process in an NCCL group of ``world``: all-gathers of growing buffers, then the largest
+    buffer's reduce-scatter and all-reduce, each the mean of back-to-back calls on CUDA events."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    timer = device_timer(device)
+
+    def seconds(collective: Callable[[], object]) -> float:
+        collective()  # NCCL builds its communicator on the first call
+        dist.barrier()
+        return timer.seconds(collective, COLLECTIVE_REPEATS)
+
+    timings = []
+    for size in DEVICE_COLLECTIVE_BYTES:
+        shard = torch.zeros(size // 4 // world, device=device)
+        gathered = torch.empty(shard.numel() * world, device=device)
+        gathering = seconds(
+            lambda shard=shard, gathered=gathered: dist.all_gather_into_tensor(gathered, shard)
+        )
+        timings.append({"bytes": shard.numel() * world * 4, "seconds": gathering})
+    full = torch.zeros(DEVICE_COLLECTIVE_BYTES[-1] // 4, device=device)
+    reduce_scatter = seconds(lambda: dist.reduce_scatter_tensor(shard, full)) / timings[-1]["seconds"]
+    all_reduce = seconds(lambda: dist.all_reduce(full)) / (2 * timings[-1]["seconds"])
+    if rank == 0:
+        result = {
+            "timings": timings,
+            "reduce_scatter_factor": reduce_scatter,
+            "all_reduce_factor": all_reduce,
+        }
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def device_link(world: int) -> dict[str, Any]:
+    """α and β of NCCL over ``world`` GPUs of this host, as ``collective_link`` fits gloo's (the two
+    end points of the all-gathers), and its reduce-scatter and all-reduce against the ring model.
+    Nothing of the host: an accelerator's queue hides its shares and round trips."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "timings.json")
+        mp.spawn(_device_collective_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        result = json.loads(Path(out).read_text())
+    latency, bandwidth = fit_link(result["timings"], world)
+    return {
+        "ranks": world,
+        "latency_s": latency,
+        "bandwidth": bandwidth,
+        "reduce_scatter_factor": result["reduce_scatter_factor"],
+        "all_reduce_factor": result["all_reduce_factor"],
+        "raw": result["timings"],
+    }
+
+
+def fit_link(timings: list[dict[str, float]], world: int) -> tuple[float, float]:
+    """α from the smallest all-gather (all latency: t = (n−1)·α), β from the largest after removing it:
+    t = (n−1)·α + S·(n−1)/n / B (two points: a shared host's timings are too noisy for a fit)."""
+    latency = timings[0]["seconds"] / (world - 1)
+    largest = timings[-1]
+    moved = largest["bytes"] * (world - 1) / world
+    return latency, moved / max(largest["seconds"] - (world - 1) * latency, 1e-9)
+
+
+def device_name(device: torch.device) -> str:
+    """What the runtime calls the device: CUDA's name, else the device type (TPU and Trainium expose
+    none here)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def catalog_chip(device: torch.device) -> str | None:
+    """The catalog's chip for ``device``: ``cpu`` for the host, a GPU by its name and memory, None
+    where the catalog has no such name (and for TPU and Trainium, which ``--chip`` names)."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        return chip_for_device(device_name(device), torch.cuda.get_device_properties(device).total_memory)
+    return None
+
+
+def measure_device(probe: Probe, max_ranks: int) -> dict[str, Any]:
+    """The compute and memory figures on ``probe``'s device, and the collectives of this host's groups:
+    gloo processes on CPU (with their shares and round trips, see ``collective_link``), NCCL on GPUs."""
+    grids = {name: gemm_grid(dtype, probe) for name, dtype in DTYPES.items()}
+    if has_fp8_matmul(probe.device):
+        grids["fp8"] = fp8_grid(probe)
     peaks = {name: max(row["flops_per_s"] for row in rows) for name, rows in grids.items()}
-    knee = fit_knee(grids["fp32"], peaks["fp32"])
-    ranks = [n for n in (2, 4, 8) if n <= max_ranks]
-    alone = alone_rates()
-    bandwidth = 2 * FP32_BYTES * COPY_ELEMENTS / alone["copy"]["seconds"]
+    knee = fit_knee(grids[probe.shapes.precision], peaks[probe.shapes.precision])
     kernels = {
         "gemm_efficiency": 1.0,  # of the grid's best; block_figures measures what a block's matmuls reach
         "gemm_knee": knee,
-        "attention_efficiency": attention_efficiency(peaks["fp32"], knee),
-        "hbm_bandwidth": bandwidth,
-        "kernel_overhead_s": kernel_overhead(),
+        "attention_efficiency": attention_efficiency(peaks[probe.shapes.precision], knee, probe),
+        "hbm_bandwidth": copy_bandwidth(probe),
+        "kernel_overhead_s": kernel_overhead(probe),
     }
-    cpu = catalog_profile(get_chip("cpu"))
-    probe = replace(
-        cpu, peak_flops={**cpu.peak_flops, **peaks}, **kernels, elementwise_bandwidth=kernels["hbm_bandwidth"]
+    figures: dict[str, Any] = {"peak_flops": peaks, **kernels, "gemm_grid": grids}
+    if probe.shapes is QUICK_SHAPES:  # no process groups: their start-up alone takes seconds each
+        figures["collectives"] = []
+    elif probe.device.type == "cpu":
+        ranks = [n for n in (2, 4, 8) if n <= max_ranks]
+        alone = alone_rates() if ranks else {}
+        figures["collectives"] = [collective_link(n, alone) for n in ranks]
+        figures["fsdp_alone"] = fsdp_alone()
+    elif probe.device.type == "cuda":
+        gpus = min(max_ranks, torch.cuda.device_count())
+        figures["collectives"] = [device_link(n) for n in (2, 4, 8) if n <= gpus]
+    return figures
+
+
+def measure(
+    max_ranks: int = 4,
+    device: torch.device | None = None,
+    chip: str | None = None,
+    quick: bool = False,
+    checkpoint_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Every figure of the profile, measured on ``device`` (default: the GPU where there is one, else
+    this host, one thread) and in groups of 2..max_ranks of them; ``chip`` names the catalog's chip
+    where the device's name does not (TPU, Trainium, a GPU the catalog calls otherwise); ``quick``
+    (host only): fewer shapes, short windows and no process groups, for the GPU benchmark's dry run."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        probe = host_probe(quick)
+    else:
+        probe = Probe(device, device_timer(device), DEVICE_SHAPES)
+    name = device_name(device)
+    chip = chip or catalog_chip(device)
+    figures = measure_device(probe, max_ranks)
+    # The figures calibration does not measure (links across hosts, HBM size) are the named chip's, or
+    # an unnamed device's family's first.
+    base = catalog_profile(get_chip(chip or chips_for(ACCELERATORS[device.type])[0]))
+    measured = replace(
+        base,
+        peak_flops={**base.peak_flops, **figures["peak_flops"]},
+        **{key: figures[key] for key in ("gemm_efficiency", "gemm_knee", "attention_efficiency")},
+        hbm_bandwidth=figures["hbm_bandwidth"],
+        kernel_overhead_s=figures["kernel_overhead_s"],
+        elementwise_bandwidth=figures["hbm_bandwidth"],
     )
+    figures |= block_figures(measured, probe)
+    if "fp8" not in figures["peak_flops"] and base.chip.peak_fp8_flops and device.type != "cpu":
+        # Not measured (no fp8 matmul on this runtime): the catalog's, at the share of its bf16 peak
+        # this device reached, so that fp8 and bf16 rows keep their ratio against the measured η.
+        figures["peak_flops"]["fp8"] = (
+            base.chip.peak_fp8_flops * figures["peak_flops"]["bf16"] / (base.chip.peak_bf16_flops)
+        )
+    disk = checkpoint_dir or Path(tempfile.gettempdir())
+    probe_bytes = CHECKPOINT_PROBE_BYTES["quick" if quick else "cpu" if device.type == "cpu" else "device"]
+    raw = raw_disk_speed(disk, probe_bytes)
+    grid = figures.pop("gemm_grid")
     return {
-        "chip": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name().lower(),
+        "chip": chip or name.lower(),
+        **({} if chip else {"unrecognised_device": name}),
+        "device_name": name,
         "host": platform.node(),
         "host_cores": os.cpu_count(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
-        "peak_flops": peaks,
-        **kernels,
-        **block_figures(probe),
-        "collectives": [collective_link(n, alone) for n in ranks],
-        "fsdp_alone": fsdp_alone(),
-        "gemm_grid": grids,
+        **figures,
+        "checkpoint_write_bandwidth": raw["write_gbps"] * 1e9,
+        "checkpoint_disk": {"directory": str(disk), **raw},
+        "gemm_grid": grid,
     }
 
 
-def calibrate(out: Path, max_ranks: int = 4) -> Path:
-    """Measure and write the profile to ``out`` (for ``tessera plan --profile``)."""
+def calibrate(
+    out: Path,
+    max_ranks: int = 4,
+    device: torch.device | None = None,
+    chip: str | None = None,
+    quick: bool = False,
+    checkpoint_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Measure (see :func:`measure`) and write the profile to ``out`` (for ``tessera plan --profile``);
+    returns it."""
+    profile = measure(max_ranks, device, chip, quick, checkpoint_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(measure(max_ranks), indent=2) + "\n")
-    return out
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    return profile

@@ -45,15 +45,21 @@ def storage_bytes(geo: Geometry, checkpoint: CheckpointConfig) -> float:
     return (checkpoint.keep_last + 1) * checkpoint_bytes(geo)
 
 
-def write_seconds(geo: Geometry, hardware: HardwareConfig, checkpoint: CheckpointConfig) -> float:
-    """Every node writes its shards in parallel at ``write_bandwidth_gbps`` GB/s."""
-    return checkpoint_bytes(geo) / (hardware.nodes * checkpoint.write_bandwidth_gbps * 1e9)
+def write_seconds(
+    geo: Geometry, hardware: HardwareConfig, checkpoint: CheckpointConfig, measured_bandwidth: float | None
+) -> float:
+    """Every node writes its shards in parallel, at the bandwidth calibration measured for the
+    checkpoint directory's disk where a profile has one, else the spec's ``write_bandwidth_gbps``."""
+    bandwidth = measured_bandwidth or checkpoint.write_bandwidth_gbps * 1e9
+    return checkpoint_bytes(geo) / (hardware.nodes * bandwidth)
 
 
-def blocking_seconds(geo: Geometry, hardware: HardwareConfig, checkpoint: CheckpointConfig) -> float:
+def blocking_seconds(
+    geo: Geometry, hardware: HardwareConfig, checkpoint: CheckpointConfig, measured_bandwidth: float | None
+) -> float:
     """C in Young/Daly: what training waits for per checkpoint."""
     if checkpoint.mode == "sync":
-        return write_seconds(geo, hardware, checkpoint)
+        return write_seconds(geo, hardware, checkpoint, measured_bandwidth)
     per_chip = checkpoint_bytes(geo) / hardware.world_size
     return per_chip / HOST_STAGING_BANDWIDTH
 

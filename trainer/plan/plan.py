@@ -134,8 +134,8 @@ def checkpoint_fields(
     geo: Geometry, hw: HardwareProfile, hardware: HardwareConfig, checkpoint: CheckpointConfig, step_s: float
 ) -> dict[str, Any]:
     """Both tiers' costs and intervals, each from Young/Daly over the failures it covers."""
-    write_s = checkpointing.write_seconds(geo, hardware, checkpoint)
-    blocking_s = checkpointing.blocking_seconds(geo, hardware, checkpoint)
+    write_s = checkpointing.write_seconds(geo, hardware, checkpoint, hw.checkpoint_write_bandwidth)
+    blocking_s = checkpointing.blocking_seconds(geo, hardware, checkpoint, hw.checkpoint_write_bandwidth)
     mtbf_s = checkpointing.mtbf_seconds(hw.chip, hardware)
     storage_mtbf_s = checkpointing.storage_mtbf_seconds(hw.chip, hardware, checkpoint)
     memory_s = checkpointing.memory_blocking_seconds(geo, hardware)

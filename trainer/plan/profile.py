@@ -28,6 +28,8 @@ CALIBRATED_FIGURES = (
     "kernel_overhead_s",
 )
 
+# The checkpoint disk's raw write speed, where calibration measured it (plan.checkpoint_fields).
+CHECKPOINT_FIGURE = "checkpoint_write_bandwidth"
 
 # Per-layout host costs only calibration measures (timing.fsdp_host_seconds, timing.tp_host_seconds).
 HOST_TERMS = ("fsdp_round_trip_by_ranks", "tp_round_trip_by_ranks")
@@ -73,6 +75,9 @@ class HardwareProfile:
     # Calibrated hosts: a tensor-parallel block's measured cost over its unsplit twin, (latency s, s per
     # fp32 activation byte), by process-group size (see timing.tp_host_seconds).
     tp_round_trip_by_ranks: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # Calibrated: the raw sequential write speed (bytes/s, with fsync) of the checkpoint directory's
+    # disk, which the plan's checkpoint write time uses in place of checkpoint.write_bandwidth_gbps.
+    checkpoint_write_bandwidth: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -176,6 +181,7 @@ def catalog_profile(chip: Chip) -> HardwareProfile:
         sources={
             **{name: f"catalog ({chip.source})" for name in figures},
             **{name: "catalog: none (an accelerator's host runs ahead of it)" for name in HOST_TERMS},
+            CHECKPOINT_FIGURE: "catalog: none (the spec's checkpoint.write_bandwidth_gbps)",
         },
     )
 
@@ -194,9 +200,16 @@ def load_profile(chip: Chip, path: str | Path | None) -> HardwareProfile:
         return profile
     data = json.loads(Path(path).read_text())
     if data.get("chip", chip.name) != chip.name:
-        raise ValueError(f"{path} calibrates {data['chip']!r}, but the spec's chip is {chip.name!r}")
+        unrecognised = data.get("unrecognised_device")
+        fix = (
+            f"calibration did not recognise the device {unrecognised!r}: rerun `tessera calibrate --chip "
+            f"{chip.name}` if it is one"
+            if unrecognised
+            else "calibrate on the spec's chip"
+        )
+        raise ValueError(f"{path} calibrates {data['chip']!r}, but the spec's chip is {chip.name!r}; {fix}")
     origin = f"calibrated ({Path(path).name})"
-    updates: dict[str, object] = {k: data[k] for k in CALIBRATED_FIGURES if k in data}
+    updates: dict[str, object] = {k: data[k] for k in (*CALIBRATED_FIGURES, CHECKPOINT_FIGURE) if k in data}
     if "peak_flops" in data:
         updates["peak_flops"] = {**profile.peak_flops, **data["peak_flops"]}
     if data.get("collectives"):
