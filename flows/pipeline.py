@@ -123,10 +123,12 @@ def train_pipeline(spec: TrainingSpec) -> str | State[str]:
         evaluations += submit_evaluations(run, seen, training)  # the final checkpoint
     results, missed = completed(evaluations)
     report_task(run, final_url, results, missed)
-    if missed:  # trained, but not every checkpoint was evaluated: say so in the run's final state
-        return Completed(
-            message=f"{len(missed)} evaluation(s) could not run: {'; '.join(missed)}", data=final_url
-        )
+    # Trained nothing (already complete), or not every checkpoint was evaluated: say so in the final state.
+    notes = [training.state.message] if training.state.message else []
+    if missed:
+        notes.append(f"{len(missed)} evaluation(s) could not run: {'; '.join(missed)}")
+    if notes:
+        return Completed(message="; ".join(notes), data=final_url)
     return final_url
 
 
