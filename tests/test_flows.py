@@ -319,6 +319,12 @@ def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checke
         f"{run.run_id} against the previous run of ident, {fresh.name}",
     }
 
+    # Continuing it once more, with nothing left to train, launches nothing and says so in its state
+    # (last: its flow run adds versions to the run's artifact histories checked above).
+    again = train_pipeline(allowed, return_state=True)
+    assert again.is_completed() and "already complete at step 6: trained 0 steps" in str(again.message)
+    assert [r["step"] for r in read_metrics(run.metrics)] == [1, 2, 3, 4, 5, 6]
+
 
 @task
 def unreadable_checkpoint(step: int) -> dict[str, Any]:
