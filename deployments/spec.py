@@ -110,6 +110,13 @@ class EvalSpec(Strict):
         le=10_000,
         description="Validation micro-batches per evaluation, drawn by seed across the split's shards.",
     )
+    max_concurrent: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Checkpoint validations (each with its evaluation) at once, beside training and after "
+        "it: a checkpoint committed meanwhile waits, and the newest waiting one goes next.",
+    )
     sample_prompt: str = Field("def ", description="Prompt for the greedy sample shown with each evaluation.")
     sample_tokens: int = Field(32, ge=0, le=4096, description="Tokens to generate for the sample.")
     poll_interval_s: float = Field(

@@ -1,7 +1,8 @@
 """The training pipeline and its two standalone parts, as Prefect flows that only wire tasks.
 
 ``train_pipeline``: prepare data → plan → provision → train, and while training runs, validate then
-evaluate every newly committed checkpoint concurrently; finally a report. ``prepare_data`` and
+evaluate newly committed checkpoints concurrently (``eval.max_concurrent`` at a time, newest first);
+finally a report. ``prepare_data`` and
 ``evaluate_checkpoints`` are the data and evaluation stages deployable on their own (the latter on
 an interval schedule, to catch up on checkpoints of the spec's runs that no pipeline evaluated).
 """
@@ -27,7 +28,7 @@ from tasks.provision import provisioned
 from tasks.report import report_task
 from tasks.run import open_run_task
 from tasks.train import retry_on_node_failure, train_task
-from trainer.checkpoint.manifest import list_checkpoints
+from trainer.checkpoint.manifest import Manifest, list_checkpoints
 from trainer.checkpoint.pins import pin, unpin
 from trainer.compare import CONTINUED, FLOW_RUN_PREFIX
 
@@ -49,19 +50,38 @@ class Evaluation:
     future: EvalFuture
 
 
+def in_flight(evaluation: Evaluation) -> bool:
+    """Still validating or evaluating. An evaluation whose validation failed stays ``NotReady`` (a
+    pending state, never final): that one is over."""
+    state = evaluation.future.state
+    return not state.is_final() and state.name != "NotReady"
+
+
+def waiting(run: Run, skip: set[int]) -> list[Manifest]:
+    """The run's committed checkpoints not in ``skip``, oldest first."""
+    return [m for m in list_checkpoints(run.checkpoint_url) if m.step not in skip and m.good]
+
+
 def submit_evaluations(
-    run: Run, skip: set[int], training: PrefectFuture[str] | None = None
+    run: Run,
+    skip: set[int],
+    training: PrefectFuture[str] | None = None,
+    running: list[Evaluation] | None = None,
 ) -> list[Evaluation]:
     """validate → evaluate for each committed checkpoint not in ``skip`` (which it extends), each
     pinned against retention until its evaluation is over.
 
     ``training``, the (possibly still running) train task that wrote the checkpoints, becomes
-    validate's upstream in the run graph without being waited for.
+    validate's upstream in the run graph without being waited for. With ``running``, the evaluations
+    submitted before, at most ``eval.max_concurrent`` run at once and the newest checkpoints go first:
+    the others wait for a later call (unpinned meanwhile, so retention may delete them first).
     """
+    chosen = waiting(run, skip)
+    if running is not None:
+        free = max(0, run.spec.eval.max_concurrent - sum(map(in_flight, running)))
+        chosen = chosen[::-1][:free]
     evaluations = []
-    for manifest in list_checkpoints(run.checkpoint_url):
-        if manifest.step in skip or not manifest.good:
-            continue
+    for manifest in chosen:
         skip.add(manifest.step)
         pin_url = pin(run.checkpoint_url, manifest.step, run.run_id)
         if training is None:
@@ -116,17 +136,21 @@ def train_pipeline(spec: TrainingSpec) -> str | State[str]:
     with provisioned(run, after=plan) as target:
         training = train_with_retries.submit(target)
         while spec.eval.enabled and not training.state.is_final():
-            evaluations += submit_evaluations(run, seen, training)
+            evaluations += submit_evaluations(run, seen, training, running=evaluations)
             time.sleep(spec.eval.poll_interval_s)
         final_url = training.result()
-    if spec.eval.enabled:
-        evaluations += submit_evaluations(run, seen, training)  # the final checkpoint
+    # The checkpoints still waiting, the final one first, as few at once as beside training.
+    while spec.eval.enabled and waiting(run, seen):
+        evaluations += submit_evaluations(run, seen, training, running=evaluations)
+        time.sleep(spec.eval.poll_interval_s)
     results, missed = completed(evaluations)
     report_task(run, final_url, results, missed)
-    if missed:  # trained, but not every checkpoint was evaluated: say so in the run's final state
-        return Completed(
-            message=f"{len(missed)} evaluation(s) could not run: {'; '.join(missed)}", data=final_url
-        )
+    # Trained nothing (already complete), or not every checkpoint was evaluated: say so in the final state.
+    notes = [training.state.message] if training.state.message else []
+    if missed:
+        notes.append(f"{len(missed)} evaluation(s) could not run: {'; '.join(missed)}")
+    if notes:
+        return Completed(message="; ".join(notes), data=final_url)
     return final_url
 
 

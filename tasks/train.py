@@ -19,6 +19,7 @@ from typing import Any
 from prefect import Task, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import State, TaskRun
+from prefect.states import Completed
 
 from deployments import kubernetes
 from deployments.run import Run
@@ -116,6 +117,18 @@ class Progress:
         )
 
 
+def already_complete(run: Run) -> State[str] | None:
+    """Completed, with a message saying so, when the run's last good checkpoint is at ``train.steps``."""
+    good = [m for m in list_checkpoints(run.checkpoint_url) if m.good]
+    if not good or good[-1].step < run.job.train.steps:
+        return None
+    return Completed(
+        message=f"run {run.run_id} was already complete at step {good[-1].step}: trained 0 steps (continue "
+        "it with more train.steps, or leave resume_from empty for a new run)",
+        data=good[-1].url,
+    )
+
+
 def run_kubernetes(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
     """(Re)submit the training JobSet and follow it until it ends; the failed pod's exit code and log
     tail on failure. Gang restarts after a lost node happen inside the JobSet and are only logged."""
@@ -143,10 +156,16 @@ def run_local(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
 
 
 @task(name="train", tags=["train"])
-def train_task(target: LaunchTarget) -> str:
-    """Train the run to ``train.steps``; return the URL of the final committed checkpoint."""
+def train_task(target: LaunchTarget) -> str | State[str]:
+    """Train the run to ``train.steps``; return the URL of the final committed checkpoint.
+
+    A run already trained to ``train.steps`` (continued with no more steps, or a flow retry after
+    training) launches nothing: its state says that it trained 0 steps, rather than a plain Completed.
+    """
     run = target.run
     job = run.job
+    if (done := already_complete(run)) is not None:
+        return done
     progress = Progress(
         run,
         mirror_of(run.dir.metrics, job.run_url) or run.dir.metrics,

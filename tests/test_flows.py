@@ -27,14 +27,15 @@ from prefect.client.schemas.filters import (
     LogFilterFlowRunId,
 )
 from prefect.client.schemas.objects import Artifact, TaskRun
+from prefect.futures import wait
 
-from deployments.run import new_run_id
-from flows.pipeline import Evaluation, completed, evaluate_checkpoints, train_pipeline
+from deployments.run import Run, new_run_id
+from flows.pipeline import Evaluation, completed, evaluate_checkpoints, submit_evaluations, train_pipeline
 from tasks.keys import ArtifactKind, artifact_key
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import run_of, tiny_spec
 from tests.sockets import ListenerSampler
-from trainer.checkpoint.manifest import list_checkpoints
+from trainer.checkpoint.manifest import Manifest, list_checkpoints, step_dir_name, write_manifest
 from trainer.checkpoint.pins import pin, pinned_steps
 from trainer.metrics import read_metrics
 
@@ -318,6 +319,12 @@ def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checke
         f"{run.run_id} against the previous run of ident, {fresh.name}",
     }
 
+    # Continuing it once more, with nothing left to train, launches nothing and says so in its state
+    # (last: its flow run adds versions to the run's artifact histories checked above).
+    again = train_pipeline(allowed, return_state=True)
+    assert again.is_completed() and "already complete at step 6: trained 0 steps" in str(again.message)
+    assert [r["step"] for r in read_metrics(run.metrics)] == [1, 2, 3, 4, 5, 6]
+
 
 @task
 def unreadable_checkpoint(step: int) -> dict[str, Any]:
@@ -344,3 +351,38 @@ def test_an_evaluation_that_could_not_run_is_reported_and_its_pin_dropped(tmp_pa
         len(missed) == 1 and missed[0].startswith("step 8: ") and "deleted under the evaluation" in missed[0]
     )
     assert pinned_steps(url) == set()
+
+
+@task
+def held_until(release: str) -> None:
+    while not Path(release).exists():
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("max_concurrent", [1, 2])
+def test_evaluations_are_bounded_per_run_and_the_newest_checkpoint_goes_first(
+    tmp_path: Path, runs_dir: Path, max_concurrent: int
+) -> None:
+    """Checkpoints committed while eval.max_concurrent validations run wait; a free slot takes the newest."""
+    run = Run.open(tiny_spec(tmp_path, "bounded", eval={"max_concurrent": max_concurrent}))
+    for step in (2, 4, 6):
+        manifest = Manifest(step=step, tokens=0, model_fingerprint="-", world_size=2, layout={}, files={})
+        write_manifest(f"{run.checkpoint_url}/{step_dir_name(step)}", manifest)
+    release = tmp_path / "release"
+
+    @flow
+    def watch() -> list[list[int]]:
+        seen: set[int] = set()
+        running = [Evaluation(0, "", held_until.submit(str(release))) for _ in range(max_concurrent)]
+        rounds = [submit_evaluations(run, seen, running=running)]  # every slot busy: all wait
+        release.touch()
+        wait([e.future for e in running])
+        while submitted := submit_evaluations(run, seen, running=running):
+            rounds.append(submitted)
+            running += submitted
+            wait([e.future for e in submitted])
+        completed(running[max_concurrent:])  # unpins
+        return [[e.step for e in r] for r in rounds]
+
+    expected = {1: [[], [6], [4], [2]], 2: [[], [6, 4], [2]]}
+    assert watch() == expected[max_concurrent]

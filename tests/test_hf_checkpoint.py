@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,6 +252,23 @@ def test_a_malformed_config_json_is_one_line_naming_it(
     result = CliRunner().invoke(app, ["import", str(out), str(tmp_path / "back"), "--spec", str(spec)])
     assert result.exit_code == 1 and refusal in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_export_and_import_print_no_torch_warnings(
+    trained: tuple[str, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A single-process DCP load or save makes torch warn that it assumes a single process: not shown."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(json.dumps({"name": "hf", "seed": 3, "model": MODEL, "train": {"seq_len": 16}}))
+    out = tmp_path / "hf"
+    for args in (["export", trained[0], str(out)], ["import", str(out), str(tmp_path / "back")]):
+        done = subprocess.run(
+            [sys.executable, "-m", "tessera.cli", *args, "--spec", str(spec)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
 # tiny-moe without its shared expert (Mixtral has none): 2 layers, 8 experts of width 128, top-2.

@@ -25,9 +25,10 @@ from tasks.keys import artifact_key
 from tasks.plan import plan_task
 from tasks.provision import provision_task, teardown_task
 from tasks.report import report_task
-from tasks.train import TrainingFailed, retry_on_node_failure
+from tasks.train import TrainingFailed, already_complete, retry_on_node_failure
 from tests.pipeline_specs import tiny_spec
 from trainer.agents import start_agent, stop_agent
+from trainer.checkpoint.manifest import Manifest, step_dir_name, write_manifest
 from trainer.data.manifest import read_manifest
 from trainer.failures import EXIT_PREEMPTED, classify_exit
 from trainer.plan.checkpointing import daly_interval_seconds
@@ -181,3 +182,14 @@ def test_a_damaged_metrics_file_never_fails_the_report(tmp_path: Path) -> None:
     markdown = report_task.fn(run, "file:///final", [], [])
     assert "Final step 2: train loss 5.5000" in markdown
     assert "**4 unreadable lines of metrics.jsonl skipped** (damaged)." in markdown
+
+
+def test_a_run_already_trained_to_its_steps_launches_nothing_and_says_so(tmp_path: Path) -> None:
+    run = Run.open(tiny_spec(tmp_path, "done", steps=6))
+    for step in (3, 6):
+        assert already_complete(run) is None  # nothing, then step 3 of 6: train
+        manifest = Manifest(step=step, tokens=0, model_fingerprint="-", world_size=2, layout={}, files={})
+        write_manifest(f"{run.checkpoint_url}/{step_dir_name(step)}", manifest)
+    state = already_complete(run)
+    assert state is not None and state.is_completed()
+    assert state.message.startswith(f"run {run.run_id} was already complete at step 6: trained 0 steps")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -24,6 +25,11 @@ from trainer import storage
 from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.checkpoint.safe_load import SafeLoadPlanner, SafeMetadataReader
 from trainer.units import MiB
+
+# torch warns "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to
+# load (save) in a single process" on every dcp call with no_dist=True, which states that intent: in
+# evaluation, export and import it is only noise in the user's terminal.
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
 
 _READ_BLOCK = 16 * MiB
 # DCP's FileSystemWriter writes one file per thread (the rank's tensors split evenly by size): one
