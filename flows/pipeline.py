@@ -23,6 +23,7 @@ from deployments.spec import TrainingSpec
 from tasks.checkpoints import evaluate_task, validate_checkpoint_task
 from tasks.data import prepare_dataset_task
 from tasks.lineage import submit_produced_by
+from tasks.logs import one_line_spec_refusals
 from tasks.plan import plan_task
 from tasks.provision import provisioned
 from tasks.report import report_task
@@ -33,6 +34,7 @@ from trainer.checkpoint.pins import pin, unpin
 from trainer.compare import CONTINUED, FLOW_RUN_PREFIX
 
 EvalFuture = PrefectFuture[dict[str, Any] | None]
+one_line_spec_refusals()  # a spec the server accepted but the flow refuses: one line in the run's log
 
 
 @flow(name="prepare-data", flow_run_name="prepare-data-{spec.name}")

@@ -25,7 +25,12 @@ from prefect.client.schemas.filters import (
     ArtifactFilterKey,
     DeploymentFilter,
     DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
 )
+from prefect.client.schemas.objects import Log
 from prefect.client.schemas.schedules import IntervalSchedule
 from prefect.exceptions import PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -163,6 +168,67 @@ def test_the_server_refuses_exactly_what_the_schema_check_refuses(
         return
     client.delete_flow_run(run.id)
     assert server_accepts(spec), f"the server accepted what the schema refuses: {spec}"
+
+
+# Parameter sets the deployment's JSON schema refuses at submission (HTTP 409/422 naming the field) ...
+REFUSED_AT_SUBMISSION = {
+    "control character in checkpoint.url": ({"checkpoint": {"url": "ckpt\nx"}}, "url"),
+    "optimizer.lr 1e300": ({"optimizer": {"lr": 1e300}}, "lr"),
+    "write_bandwidth_gbps 1e-300": ({"checkpoint": {"write_bandwidth_gbps": 1e-300}}, "write_bandwidth_gbps"),
+}
+# ... and those only the flow's own check can refuse (rules across fields, or beyond JSON schema): the run
+# fails in its parameter check, before any task, with the spec error as its state and its log's one line.
+REFUSED_BY_THE_FLOW = {
+    "dp_shard 3 on 2 chips": ({"parallel": {"dp_shard": 3}}, "make the degrees multiply to the chip count"),
+    "seq_len 1e9": ({"train": {"seq_len": 1e9}}, "train.seq_len: Input should be a valid integer"),
+    "output_url leaving the directory": ({"data": {"output_url": "../x"}}, "leaves the working directory"),
+    "unknown protocol": ({"checkpoint": {"url": "nosuch://b/x"}}, "nosuch:// is not a storage protocol"),
+    "warmup past the run": ({"optimizer": {"warmup_steps": 50}}, "optimizer.warmup_steps=50 exceeds"),
+}
+
+
+def run_logs(client: SyncPrefectClient, flow_run_id: UUID) -> list[Log]:
+    return client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+
+
+def test_a_spec_validate_refuses_is_refused_at_submission_or_fails_its_run_in_one_line(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    """One door, through the real server and worker: what JSON schema can say is refused when the run
+    is created; the rest fails the run before data preparation, in one line, with no traceback."""
+    pipeline = deployment_id(client, "train-pipeline/local-cpu")
+    base = tiny_spec_dict(tmp_path, "e2e-door", steps=4, interval=2)
+    for case, (patch, field) in REFUSED_AT_SUBMISSION.items():
+        spec = {**base, **{k: {**base.get(k, {}), **v} for k, v in patch.items()}}
+        with pytest.raises(PrefectHTTPStatusError) as refused:
+            client.create_flow_run_from_deployment(pipeline, parameters={"spec": spec})
+        assert refused.value.response.status_code in (409, 422) and field in refused.value.response.text, case
+    runs = {}
+    for case, (patch, _) in REFUSED_BY_THE_FLOW.items():
+        spec = {**base, **{k: {**base.get(k, {}), **v} for k, v in patch.items()}}
+        runs[case] = client.create_flow_run_from_deployment(pipeline, parameters={"spec": spec}).id
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    for case, (_, message) in REFUSED_BY_THE_FLOW.items():
+        while not (run := client.read_flow_run(runs[case])).state.is_final():
+            assert time.monotonic() < deadline, f"{case}: flow run still {run.state.name}"
+            time.sleep(1)
+        assert run.state.is_failed() and message in run.state.message, (case, run.state.message)
+        assert not client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        # Logs reach the server after the final state: wait for the run's last record, the engine's exit
+        # line, which Prefect logs with a traceback and the filter turns into the refusal.
+        logs = run_logs(client, run.id)
+        while not any(
+            log.name == "prefect.flow_runs" and log.message.startswith("spec is invalid: ") for log in logs
+        ):
+            assert time.monotonic() < deadline, (
+                f"{case}: no one-line refusal in {[log.message for log in logs]}"
+            )
+            time.sleep(1)
+            logs = run_logs(client, run.id)
+        refusals = [log.message for log in logs if log.message.startswith("spec is invalid: ")]
+        assert all(message in line and "\n" not in line for line in refusals), (case, refusals)
+        assert not any("Traceback" in log.message for log in logs), (case, [log.message for log in logs])
+    assert not (tmp_path / "data").exists() and not list(deployed[1].glob("e2e-door-*"))
 
 
 def test_pipeline_deployment_run_trains_validates_and_evaluates(
