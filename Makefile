@@ -63,7 +63,7 @@ test: lock-check $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; exit $$rc
 
-# A tier of the same suite for quick iteration (<= 3 min on a quiet 2-core box): no torchrun, servers,
+# A tier of the same suite for quick iteration (aimed at <= 3 min on a quiet 2-core box): no torchrun, servers,
 # faults or browser (markers in pyproject.toml), no test marked slow, plus the one short multi-process
 # training marked smoke. `make test` still runs everything.
 FAST_TESTS := not (dist or e2e or store or browser or fault or slow) or smoke
