@@ -25,7 +25,7 @@ TORCH_INDEX := https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_UI_ENABLED ?= false
 export DO_NOT_TRACK := 1
-.PHONY: install lock lock-check demo test lint bench faults ui clean k8s-smoke
+.PHONY: install lock lock-check demo test test-fast lint bench faults ui clean k8s-smoke
 
 install: $(STAMP)
 
@@ -62,6 +62,13 @@ test: lock-check $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; exit $$rc
+
+# A tier of the same suite for quick iteration (aimed at <= 3 min on a quiet 2-core box): no torchrun, servers,
+# faults or browser (markers in pyproject.toml), no test marked slow, plus the one short multi-process
+# training marked smoke. `make test` still runs everything.
+FAST_TESTS := not (dist or e2e or store or browser or fault or slow) or smoke
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "$(FAST_TESTS)" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -68,6 +68,7 @@ def assert_same_state(actual: dict, expected: dict) -> None:
 
 
 @pytest.mark.dist
+@pytest.mark.smoke  # make test-fast's multi-process training: 4 FSDP2 ranks, 8 steps, both save modes
 def test_async_and_sync_saves_commit_and_retention_keeps_last_and_every_kth(saved: Path) -> None:
     # async: every 2 steps, keep_last=2, keep_every=4 -> 4 (4th), 6, 8; the planted partial 3 and 2 deleted.
     # sync: steps 3, 6 and the forced final 8, keep_last=2 -> 6, 8.
@@ -182,6 +183,7 @@ def test_unusable_urls_fail_with_one_line_naming_them(tmp_path: Path) -> None:
         assert named in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_injected_death_mid_save_leaves_a_partial_never_a_commit(tmp_path: Path) -> None:
     """``CheckpointManager(faults=...)`` hands each save's writer to the fault injector: its death after
     the shard files are written leaves the step directory without a manifest, which nothing resumes."""

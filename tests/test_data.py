@@ -107,6 +107,7 @@ def test_stdlib_corpus_small(tmp_path: Path) -> None:
     assert "import" in text and "def " in text
 
 
+@pytest.mark.slow
 def test_validation_split_is_disjoint_by_document(tmp_path: Path) -> None:
     corpus = tmp_path / "docs.jsonl"
     with corpus.open("w") as f:

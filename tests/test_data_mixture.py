@@ -95,6 +95,7 @@ def test_resume_across_dp_degree_and_schedule_change(mixture: DataConfig, mixtur
     assert reference_loader.source_samples()["python"] == resumed.source_samples()["python"] <= 5 * BATCH
 
 
+@pytest.mark.slow
 def test_a_reader_killed_with_sigkill_resumes_exactly(mixture_url: str, tmp_path: Path) -> None:
     assert kill_and_resume(mixture_url, tmp_path, steps=60, batch=BATCH, kill_after=25)
 

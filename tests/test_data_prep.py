@@ -31,6 +31,7 @@ def prepare_flow(data: DataConfig) -> str:
     return prepare_dataset_task(data, VOCAB, SEQ, 0)
 
 
+@pytest.mark.slow  # a local Dask cluster
 @pytest.mark.usefixtures("prefect_harness")
 def test_dask_workers_write_the_same_bytes_as_one_process(tmp_path: Path) -> None:
     documents = 3 * PART_BYTES // GENERATED_DOCUMENT_BYTES  # three parts

@@ -105,6 +105,7 @@ def good_steps(run_dir: Path) -> list[int]:
     return [m.step for m in list_checkpoints(str(run_dir / "checkpoints")) if m.good]
 
 
+@pytest.mark.dist  # two real torchrun agents
 def test_lose_a_node_continue_on_one_then_grow_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The uninterrupted reference trains alongside: most of either run is start-up and waiting.
     reference = Launch(tmp_path / "reference")

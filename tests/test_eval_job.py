@@ -171,6 +171,7 @@ def test_a_failed_eval_job_raises_its_exit_code_and_log_and_is_deleted(
     assert not cluster.objects
 
 
+@pytest.mark.slow
 def test_the_evaluation_pods_entry_point_exits_as_the_trainer_does_on_a_user_error(tmp_path: Path) -> None:
     """A missing dataset cannot be fixed by a retry: exit 3 and one line, so the Job fails at once."""
     job = tmp_path / "job.json"

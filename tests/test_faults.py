@@ -57,8 +57,14 @@ from trainer.rundir import RunDir
 REPO = Path(__file__).resolve().parents[1]
 FINISH = REPO / "tests" / "dist" / "fault_finish.py"
 CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "tokens")
+# The watchdog's floor: the hang under test ends after it. A healthy step is ~1 s here (rank 1 slowed),
+# and on a busier machine the watchdog allows 10x the slowest step so far (the first step: the
+# collective timeout) instead, so the floor can be short without failing a slow, healthy run.
 STEP_TIMEOUT_S = 8.0
-COLLECTIVE_TIMEOUT_S = 15.0
+# Generous: it bounds the workers' start-up rendezvous (two agents' workers importing torch at different
+# speeds on a loaded box) and a checkpoint's collectives; the faults here are caught by a closed
+# connection and by the watchdog, so its size costs a healthy run nothing.
+COLLECTIVE_TIMEOUT_S = 60.0
 WAIT_S = 180.0
 SLOW_S = "1.0"  # rank 1's extra seconds per step in the faulted attempts: a window for the faults
 SECRET = "tessera-test-secret-9f3b"

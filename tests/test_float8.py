@@ -65,6 +65,7 @@ def train(float8: str) -> tuple[list[float], Transformer]:
     return losses, model
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_rank_group")
 def test_fp8_recipes_train_like_bf16_through_fsdp() -> None:
     bf16, _ = train("none")

@@ -140,6 +140,7 @@ def imbalance_curve(rate: float, steps: int = 12) -> list[float]:
     return curve
 
 
+@pytest.mark.slow
 def test_bias_balancing_evens_out_a_skewed_router_while_training() -> None:
     frozen, balanced = imbalance_curve(rate=1e-9), imbalance_curve(rate=0.02)
     assert frozen[0] == balanced[0] > 3  # the same skewed start: an expert takes over 3× its share

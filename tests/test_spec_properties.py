@@ -189,7 +189,8 @@ def spec_accepts(spec: dict[str, Any]) -> bool:
     return True
 
 
-@settings(max_examples=2000, deadline=1000)
+# No per-example deadline: a busy machine slows examples down, and speed is not what this checks.
+@settings(max_examples=2000, deadline=None)
 @given(mutated_specs())
 @example((BASE | {"train": {**BASE["train"], "steps": True}}, "train"))
 @example((BASE | {"optimizer": {"lr": float("inf")}}, "optimizer"))

@@ -420,7 +420,9 @@ class FaultsConfig(Strict):
         2, ge=0, le=100, description="torchrun --max-restarts: in-job restarts of all workers."
     )
     step_timeout_s: Seconds = Field(
-        300.0, description="Watchdog: a step slower than this is a hang (treated as a node failure)."
+        300.0,
+        description="Watchdog: a step slower than this and than 10x the slowest step so far (the first step: "
+        "collective_timeout_s) is a hang, treated as a node failure.",
     )
     collective_timeout_s: Seconds = Field(
         600.0, description="Process-group timeout, so a lost peer fails fast instead of after 30 min."

@@ -16,6 +16,9 @@ The trainer holds one :class:`FaultInjector` and hands it to whatever it hooks i
   async save the kill lands in the background upload thread.
 * ``TESSERA_FAULT_SLOW_RANK=R`` — rank R sleeps ``TESSERA_FAULT_SLOW_S`` seconds (default 0.5)
   before every step: a straggler, for the per-rank telemetry of :mod:`trainer.telemetry` to name.
+* ``TESSERA_FAULT_HOLD_AT_STEP=N`` with ``TESSERA_FAULT_HOLD_UNTIL=PATH`` — every rank waits before
+  step N until PATH exists: a test orders its processes by an event (a peer is back) instead of
+  racing them against a fixed pace that a busy machine breaks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 log = logging.getLogger(__name__)
+HOLD_POLL_S = 0.05
 
 
 def _die(what: str) -> NoReturn:
@@ -59,6 +63,8 @@ class FaultInjector:
     kill_in_save_at_step: int | None = None
     slow_rank: int | None = None
     slow_s: float = 0.5
+    hold_at_step: int | None = None
+    hold_until: str = ""
 
     @classmethod
     def from_env(cls) -> FaultInjector:
@@ -69,6 +75,8 @@ class FaultInjector:
             kill_in_save_at_step=_step("TESSERA_FAULT_KILL_IN_SAVE_AT_STEP"),
             slow_rank=_step("TESSERA_FAULT_SLOW_RANK"),
             slow_s=float(os.environ.get("TESSERA_FAULT_SLOW_S", "0.5")),
+            hold_at_step=_step("TESSERA_FAULT_HOLD_AT_STEP"),
+            hold_until=os.environ.get("TESSERA_FAULT_HOLD_UNTIL", ""),
         )
 
     def before_step(self, step: int, rank: int, world_size: int) -> None:
@@ -76,6 +84,9 @@ class FaultInjector:
             threading.Event().wait()  # blocks forever; only the watchdog ends this process
         if rank == self.slow_rank:
             time.sleep(self.slow_s)
+        if step == self.hold_at_step:
+            while not os.path.exists(self.hold_until):
+                time.sleep(HOLD_POLL_S)
         if step == self.crash_at_step and rank == world_size - 1 and _first_attempt():
             _die(f"SIGKILL rank {rank} before step {step}")
 

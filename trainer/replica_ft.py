@@ -84,7 +84,7 @@ class ReplicaGroup:
         """(rank, size) among all replicas' data-parallel ranks: which rows of each global batch are ours."""
         return self.replica * dp_size + dp_rank, self.replicas * dp_size
 
-    def join(self, step: int, model: Stateful, loader: Stateful) -> int:
+    def join(self, step: int, model: Stateful, loader: Stateful, device: torch.device) -> int:
         """Join the replicas at ``step`` (restored from this replica's own checkpoint, 0 for a fresh
         start); returns the step to continue after: a live peer's, when it was ahead and we healed from it.
 
@@ -113,7 +113,12 @@ class ReplicaGroup:
         self.manager.load_state_dict({"step": step, "batches_committed": step * self.replicas})
         deadline = time.monotonic() + self.timeout.total_seconds()
         self.manager.start_quorum()
-        while step == 0 and self.manager.num_participants() < self.replicas and time.monotonic() < deadline:
+        # Every rank of the group must call start_quorum equally often (the group's Manager server waits
+        # for all of them), so they agree on each wait: a rank past its own deadline while another is
+        # not would leave that one waiting in a quorum its peers never join.
+        while step == 0 and _any_rank(
+            self.manager.num_participants() < self.replicas and time.monotonic() < deadline, device
+        ):
             time.sleep(JOIN_POLL_S)
             self.manager.start_quorum()
         self.quorum_open = True
@@ -187,6 +192,13 @@ class ReplicaGroup:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of this replica group: one answer that all of them act on."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _unflatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
