@@ -46,6 +46,12 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.devi
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate adjacent channel pairs of x [B, T, H, head_dim] by position (Llama's pairing), in fp32."""
     cos, sin = rope[None, : x.shape[1], None].unbind(-1)
+    if torch.compiler.is_compiling():
+        # Inductor fuses the plain form into one kernel anyway, and AOTAutograd's cache (what spares a
+        # resumed run the retracing) refuses graphs holding an autograd.Function.
+        real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+        return rotated.flatten(-2).type_as(x)
     return _Rope.apply(x, cos, sin)
 
 
