@@ -424,6 +424,14 @@ def test_adamw_is_fused_where_every_parameter_is_on_cuda_and_torchs_default_else
     assert on_cpu.defaults["fused"] is None and on_cpu.defaults["foreach"] is None
 
 
+def test_the_entry_point_imports_neither_the_compiler_nor_pipelining_until_a_job_needs_them() -> None:
+    # torch._dynamo (which torch.distributed.pipelining imports) is 225 of the entry point's 2,300
+    # modules, imported before the first step by every run, though only pp and compile use it.
+    probe = "import sys, trainer.train; print(sorted({'torch._dynamo', 'torch.distributed.pipelining'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_metrics_writer_drops_steps_after_the_resumed_one(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     with MetricsWriter(path, resumed_step=0, enabled=True) as writer:

@@ -29,6 +29,13 @@ from trainer.moe import MoE
 # Small init for projections (GPT-2 / Llama practice); residual outputs shrink with depth so the
 # residual stream's variance at init does not grow with the number of blocks.
 INIT_STD = 0.02
+# Devices whose parameters draw their init on the device, from its own seeded generator: a host core
+# draws ~1e8 normals/s one after another (~10 s for a 1B model, then a host-to-device copy), a GPU
+# draws them in milliseconds. Values then depend on (seed, name, shard offset, device type): a CUDA
+# run starts from other values than a CPU run of the same seed, each the same on every layout that
+# initializes whole and on every rerun. Other devices draw on the host, so that no backend needs a
+# seeded generator of its own.
+DEVICE_DRAWN = ("cuda",)
 # Wrappers that prefix FQNs (activation checkpointing, torch.compile); stripped to name a parameter.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -46,6 +53,12 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.devi
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     """Rotate adjacent channel pairs of x [B, T, H, head_dim] by position (Llama's pairing), in fp32."""
     cos, sin = rope[None, : x.shape[1], None].unbind(-1)
+    if torch.compiler.is_compiling():
+        # Inductor fuses the plain form into one kernel anyway, and AOTAutograd's cache (what spares a
+        # resumed run the retracing) refuses graphs holding an autograd.Function.
+        real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+        rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+        return rotated.flatten(-2).type_as(x)
     return _Rope.apply(x, cos, sin)
 
 
@@ -188,7 +201,7 @@ class Transformer(nn.Module):
 
         Works on plain and sharded (DTensor) parameters; a DTensor's local shard is drawn from a
         generator seeded by its global offset, so replicas agree and the result depends only on
-        (seed, layout).
+        (seed, layout, device type: see ``DEVICE_DRAWN``).
         """
         self.rope.copy_(
             rope_table(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
@@ -234,10 +247,14 @@ def _fill_normal(param: Tensor, std: float, seed: int, name: str) -> None:
         target = param.to_local()
         _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     key = f"{seed}/{name}/{tuple(offset)}".encode()
-    generator = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
-    # Drawn on CPU so values are identical on every device type; copied in the parameter's dtype.
-    values = torch.empty(target.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-    target.copy_(values)
+    device = target.device if target.device.type in DEVICE_DRAWN else torch.device("cpu")
+    generator = torch.Generator(device).manual_seed(
+        int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+    )
+    values = torch.empty(target.shape, dtype=torch.float32, device=device).normal_(
+        0.0, std, generator=generator
+    )
+    target.copy_(values)  # in the parameter's dtype
 
 
 def param_count(model: nn.Module) -> int:

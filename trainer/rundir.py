@@ -78,6 +78,12 @@ class RunDir:
         return self.path / "checkpoints"
 
     @property
+    def compile_cache(self) -> Path:
+        """Inductor's cache when ``parallel.compile`` is on and ``TORCHINDUCTOR_CACHE_DIR`` is unset, so a
+        retried or resumed run reuses the compiled graphs (``trainer.parallel.compile``)."""
+        return self.path / "compile_cache"
+
+    @property
     def evals(self) -> Path:
         return self.path / "evals"
 

@@ -10,7 +10,8 @@ Every way to run it is the same module under a launcher::
     # Kubernetes: the same command in every pod of the rendered job (deployments/templates)
 
 Outputs in the run directory: ``metrics.jsonl`` (the loss curve), ``checkpoints/`` (unless
-``checkpoint.url`` points elsewhere) and ``status.json`` once the last step is checkpointed.
+``checkpoint.url`` points elsewhere), ``status.json`` once the last step is checkpointed, and with
+``parallel.compile`` Inductor's cache ``compile_cache/`` (unless ``TORCHINDUCTOR_CACHE_DIR`` names one).
 Exit codes follow :mod:`trainer.failures`: 0 done, 3 user error, 4 hang, 5 infrastructure failure.
 """
 
@@ -58,6 +59,7 @@ from trainer.job import resolve_job
 from trainer.metrics import MetricsWriter, mirror_of
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import ParallelModel, build_parallel_model
+from trainer.parallel.compile import compile_seconds, use_compile_cache
 from trainer.plan import plan_for_job
 from trainer.preemption import Preempted, PreemptionWatch
 from trainer.rundir import RunDir
@@ -182,6 +184,8 @@ def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
     hand-written job file or a library caller gets the same checkpoint location and cadence.
     """
     job = resolve_job(job, run_dir)
+    if job.parallel.compile:  # a retry or resume finds the graphs its first attempt compiled
+        use_compile_cache(run_dir.compile_cache)
     session = open_session(job)
     goodput = GoodputRecorder(run_dir.goodput, enabled=session.rank == 0)
     ready = time.time()
@@ -319,6 +323,7 @@ class StepTelemetry:
         self.flops_per_step = plan_for_job(job).flops_per_step / replicas
         self.peak_flops = job.parallel.world_size * get_chip(job.hardware.chip).peak_bf16_flops
         self.world_size = job.parallel.world_size  # an elastic job's shrinks show in its metrics
+        self.compiled = job.parallel.compile
 
     def host_times(self, began: float) -> list[float]:
         """Every rank's time before its first collective this step (a collective: all ranks call it)."""
@@ -350,6 +355,8 @@ class StepTelemetry:
             "peak_memory_bytes": peak_memory_bytes(self.device),
             **(straggler_fields(step, host_times) if self.rank == 0 else {}),
             **({"replicas": participants} if participants is not None else {}),
+            # This process's compile time so far (most in step 1, a cache hit makes it small).
+            **({"compile_s": compile_seconds()} if self.compiled else {}),
         }
 
     def tokens_by_source(self, source_samples: dict[str, int]) -> dict[str, dict[str, int]]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, PipelineSchedule
@@ -25,8 +25,12 @@ from trainer.parallel.context import shard_sequence
 from trainer.parallel.grad_norm import clip_grad_norm_
 from trainer.parallel.mesh import build_mesh, dp_coordinates
 from trainer.parallel.parallelize import parallelize
-from trainer.parallel.pipeline import Schedule, build_schedule, build_stages, split_stage, stage_indices
 from trainer.parallel.replicate import sync_gradients_on_last
+
+if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo: a second of start-up, only for pp
+    from torch.distributed.pipelining import PipelineStage
+
+    from trainer.parallel.pipeline import Schedule
 
 # Up to here (~4 GiB fp32) every rank initializes the whole model before sharding, so all layouts
 # start from bit-identical weights. Larger models are initialized shard by shard after parallelizing
@@ -100,6 +104,8 @@ class ParallelModel:
 
     def _pipeline_step(self, inputs: Tensor, targets: Tensor, n_microbatches: int) -> Tensor:
         if n_microbatches not in self._schedules:
+            from trainer.parallel.pipeline import build_schedule
+
             self._schedules[n_microbatches] = build_schedule(
                 self.stages, n_microbatches, self.pp_schedule, token_loss
             )
@@ -147,15 +153,23 @@ def build_parallel_model(
         model.to_empty(device=device)
         model.init_weights(job.seed)
 
-    n_stages = cfg.pp * cfg.pp_virtual_stages
-    indices = stage_indices(mesh.get_local_rank("pp"), cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
-    chunks = [split_stage(model, index, n_stages) for index in indices] if cfg.pp > 1 else [model]
+    pipeline = None
+    if cfg.pp > 1:
+        from trainer.parallel import pipeline
+
+        n_stages = cfg.pp * cfg.pp_virtual_stages
+        indices = pipeline.stage_indices(
+            mesh.get_local_rank("pp"), cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule
+        )
+    chunks = [pipeline.split_stage(model, index, n_stages) for index in indices] if pipeline else [model]
     parts = [parallelize(chunk, mesh, cfg) for chunk in chunks]
     if not init_whole:
         for part in parts:
             part.to_empty(device=device)
             part.init_weights(job.seed)
 
-    stages = build_stages(parts, indices, n_stages, device, mesh["pp"].get_group()) if cfg.pp > 1 else []
+    stages = (
+        pipeline.build_stages(parts, indices, n_stages, device, mesh["pp"].get_group()) if pipeline else []
+    )
     dp_rank, dp_size = dp_coordinates(mesh)
     return ParallelModel(parts, mesh, dp_rank, dp_size, device, stages, cfg.pp_schedule)
