@@ -44,7 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -82,6 +82,7 @@ class Row:
     micro_batch: int = 4
     batch: int = 8  # sequences per data-parallel rank and step (the rows: 32,768 tokens)
     gpus: int = 1  # 0: all of this host's (the multi-GPU rows), never fewer than two
+    spread: Literal["dp_shard", "tp"] = "dp_shard"  # the mesh dimension a multi-GPU row spans
     need_s: float = 60.0  # trainer + hand-written loop on one H200, checkpoints excluded (estimates)
 
     def description(self) -> str:
@@ -95,7 +96,7 @@ ROWS = (
     Row("1b-compile-fp8", LLAMA_1B, {"compile": True, "float8": "tensorwise"}, need_s=80),
     Row("8b-8layer-compile", LLAMA3_8B_CUT, {"compile": True}, micro_batch=2, need_s=100),
     Row("1b-fsdp", LLAMA_1B, {"compile": True}, gpus=0, need_s=80),
-    Row("1b-tp", LLAMA_1B, {"compile": True}, gpus=0, need_s=80),
+    Row("1b-tp", LLAMA_1B, {"compile": True}, gpus=0, spread="tp", need_s=80),
 )
 
 
@@ -165,7 +166,7 @@ def spec_for(row: Row, host: Host, devices: int) -> dict[str, Any]:
     parallel = {"mixed_precision": "bf16", **row.parallel}
     if host.dry_run:
         parallel.pop("compile", None)
-    tp = devices if row.name.endswith("-tp") else 1
+    tp = devices if row.spread == "tp" else 1
     dp = devices // tp
     micro = 2 if host.dry_run else row.micro_batch
     return {
