@@ -25,7 +25,7 @@ TORCH_INDEX := https://download.pytorch.org/whl/cpu
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_UI_ENABLED ?= false
 export DO_NOT_TRACK := 1
-.PHONY: install lock lock-check demo test test-fast lint bench faults ui clean k8s-smoke
+.PHONY: install lock lock-check demo test test-fast lint bench bench-gpu faults ui clean k8s-smoke
 
 install: $(STAMP)
 
@@ -76,6 +76,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# The GPU benchmark on this host's CUDA GPUs, within 8 minutes (benchmarks/bench_gpu.py). It runs on the
+# host's own CUDA build of torch, not .venv's CPU one: an accelerator image brings torch, and
+# benchmarks/gpu_lease.sh carries the few packages it lacks. BENCH_GPU_ARGS=--dry-run runs it on CPU.
+BENCH_GPU_ARGS ?=
+bench-gpu:
+	$(PYTHON) -m benchmarks.bench_gpu $(BENCH_GPU_ARGS)
 
 # The fault-injection suite; each fault test records its measured row, rendered into
 # benchmarks/results/faults.{json,md} even when a test fails (the table then shows it).

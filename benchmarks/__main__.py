@@ -29,8 +29,14 @@ BENCH_DIR = Path(__file__).parent
 REPO_ROOT = BENCH_DIR.parent
 
 
+# Benchmarks with a runner of their own: bench_gpu needs a CUDA host (``make bench-gpu``).
+SEPARATE = {"gpu"}
+
+
 def areas() -> list[str]:
-    return sorted(p.stem.removeprefix("bench_") for p in BENCH_DIR.glob("bench_*.py"))
+    return sorted(
+        area for p in BENCH_DIR.glob("bench_*.py") if (area := p.stem.removeprefix("bench_")) not in SEPARATE
+    )
 
 
 def cpu_model() -> str:
