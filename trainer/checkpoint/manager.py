@@ -176,8 +176,9 @@ class CheckpointManager:
     def _would_outlast_run(self, step: int, last_step: int | None) -> bool:
         """Whether a save started at ``step`` would outlast the steps left before ``last_step``, at the
         last committed save's duration and the last step's time; rank 0's clock decides for every rank
-        (they must all save, or none). Unknown until a save has committed: then it saves."""
-        if last_step is None:
+        (they must all save, or none). Unknown until a save has committed: then it saves. A sync save
+        is never in flight at the final step (it commits before the next step), so it always saves."""
+        if last_step is None or self.cfg.mode == "sync":
             return False
         late = (
             self.rank == 0
