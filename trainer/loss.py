@@ -14,16 +14,11 @@ scales them: the same three matmuls as the plain head, no recompute.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# A chunk's matmul is [rows, dim] x [dim, vocab]: thinner than this it no longer keeps a GPU's tiles
-# busy (256 rows of 32K-vocab logits are 2 x 125 tiles of 128 x 256), and on a small model (vocab /
-# dim in the hundreds) Liger's rule alone would cut chunks of a few tokens.
-MIN_CHUNK_TOKENS = 256
+from trainer.plan.memory import loss_chunk_tokens
 
 
 def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -39,11 +34,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, rows: 
 
     rows: tokens per chunk; by default a chunk's logits have about as many elements as ``hidden``
     (Liger's rule: the head then needs no more memory than the activation it reads), and at least
-    ``MIN_CHUNK_TOKENS``.
+    ``trainer.plan.memory.MIN_CHUNK_TOKENS``.
     """
     hidden, targets = hidden.flatten(0, 1), targets.flatten()
     vocab, dim = weight.shape
-    rows = rows or max(MIN_CHUNK_TOKENS, math.ceil(hidden.shape[0] / math.ceil(vocab / dim)))
+    rows = rows or loss_chunk_tokens(hidden.shape[0], vocab, dim)
     with_grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, targets, rows, with_grads)
 

@@ -21,12 +21,16 @@ sequence; ``Geometry.microbatch_tokens``) and adds ring attention's buffers (``p
 
 Peak, not sum: with one micro-batch per step, gradients are freed by ``zero_grad(set_to_none=True)``
 and reappear as activations are freed in backward, so the fwd/bwd peak is at the start of backward
-(no gradients yet); with gradient accumulation or a pipeline they live through backward. The
+(no gradients yet), or, under full activation checkpointing, when backward rebuilds the first block
+(nearly all gradients made by then); with gradient accumulation or a pipeline they live through
+backward. The
 optimizer step then holds all gradients plus AdamW's temporary (:func:`optimizer_temp_bytes`).
 ``total`` is the larger of the two phases (see :func:`estimate_memory`).
 """
 
 from __future__ import annotations
+
+import math
 
 from pydantic import BaseModel, ConfigDict
 
@@ -67,20 +71,22 @@ def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
     upcast to fp32 (4Td), the normalized fp32 tensor its gain multiplies (4Td) and the fp32 rstd
     (4T), all sequence-sharded under SP (/t); its e-byte output is saved by the next projections,
     *gathered* over t (DTensor saves the all-gathered input; Megatron would re-gather instead).
-    Attention saves q, k, v — k and v repeat_interleaved to a heads, so d wide each, not the GQA
-    width — and the SDPA output, which is the wo input (4eTd/t), plus SDPA's fp32 log-sum-exp
-    (4Ta/t); flash-style SDPA never materializes the s² scores, so Korthikanti's 5as²b term is absent.
-    SwiGLU saves w1x, silu(w1x), w3x and their product (4eTf/t). Residual adds save nothing. Total:
+    Attention saves q (d wide), k and v at the GQA width d_kv (SDPA reads the grouped heads in place,
+    ``enable_gqa``) and the SDPA output, which is the wo input (e·T·(2d + 2d_kv)/t), plus SDPA's fp32
+    log-sum-exp (4Ta/t); flash-style SDPA never materializes the s² scores, so Korthikanti's 5as²b
+    term is absent. SwiGLU saves w1x, silu(w1x), w3x and their product (4eTf/t). Residual adds save
+    nothing. Total:
 
-        A_layer = T·[(16d + 8 + 4a + 4ed + 4ef)/t + 2ed]
-                = sbd·(16 + 6e + 4e·f/d) + 4sb(a + 2)           (t = 1; e = 2: sbd·(28 + 8f/d))
+        A_layer = T·[(16d + 8 + 4a + 2ed + 2e·d_kv + 4ef)/t + 2ed]
+                = sbd·(16 + 4e + 2e·d_kv/d + 4e·f/d) + 4sb(a + 2)      (t = 1; MHA, e = 2: sbd·(28 + 8f/d))
 
     versus Korthikanti's sbh·(34 + 5as/h) for GPT with dropout and materialized scores.
     """
     model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
     d, f, a, tokens = model.dim, active_ffn_dim(model), model.n_heads, geo.microbatch_tokens
+    kv = model.n_kv_heads * model.head_dim
     norm = tokens * ((2 * FP32 * d + FP32) / t + e * d)
-    attention = norm + tokens * (4 * e * d + FP32 * a) / t
+    attention = norm + tokens * (e * (2 * d + 2 * kv) + FP32 * a) / t
     mlp = norm + tokens * 4 * e * f / t
     return attention, mlp
 
@@ -147,17 +153,42 @@ def fsdp_buffer_bytes(geo: Geometry) -> float:
     return gathered * e + geo.layer_params_tp * (e + FP32)
 
 
+# A chunk's matmul is [rows, dim] x [dim, vocab]: thinner than this it no longer keeps a GPU's tiles
+# busy (256 rows of 32K-vocab logits are 2 x 125 tiles of 128 x 256), and on a small model (vocab /
+# dim in the hundreds) Liger's rule alone would cut chunks of a few tokens.
+MIN_CHUNK_TOKENS = 256
+
+
+def loss_chunk_tokens(tokens: int, vocab: int, dim: int) -> int:
+    """Tokens per chunk of ``trainer.loss.linear_cross_entropy``: a chunk's logits about as many elements
+    as the hidden states it reads (Liger's rule), at least ``MIN_CHUNK_TOKENS``. Here so that the
+    planner, which imports no torch, prices the chunk the trainer cuts."""
+    return max(MIN_CHUNK_TOKENS, math.ceil(tokens / math.ceil(vocab / dim)))
+
+
 def loss_buffer_bytes(geo: Geometry) -> float:
-    """The loss keeps fp32 log-probabilities for backward and creates their gradient and the logits'
-    gradient (in e): T·V·(8 + e)/t bytes, split over vocab by loss-parallel TP."""
-    per_token = 2 * FP32 + geo.compute_bytes
-    return geo.microbatch_tokens * geo.model.vocab_size * per_token / geo.parallel.tp
+    """The head's and loss's transient bytes.
+
+    Where the logits are split over vocab (loss-parallel TP) or handed to a pipeline schedule's loss,
+    the loss keeps fp32 log-probabilities for backward and creates their gradient and the logits'
+    gradient (in e): T·V·(8 + e)/t. Elsewhere the fused head and loss holds one chunk's logits (e) and
+    their fp32 copy, turned into the gradient in place, plus the hidden states' gradient (eTd) and an
+    fp32 accumulator for the output weight's gradient (4Vd)."""
+    model, tokens, e = geo.model, geo.microbatch_tokens, geo.compute_bytes
+    vocab, dim = model.vocab_size, model.dim
+    if geo.parallel.tp > 1 or geo.parallel.pp > 1:
+        return tokens * vocab * (2 * FP32 + e) / geo.parallel.tp
+    rows = min(tokens, loss_chunk_tokens(tokens, vocab, dim))
+    return rows * vocab * (FP32 + e) + tokens * dim * e + FP32 * vocab * dim
 
 
 def optimizer_temp_bytes(geo: Geometry) -> float:
-    """AdamW's step temporary (sqrt of the second moment). torch's default on accelerators is the foreach
-    path, one fp32 tensor list as large as the local parameters; on CPU it is the per-tensor loop, so
-    only the largest local tensor (the embedding or output matrix, or an MLP weight)."""
+    """AdamW's step temporary (sqrt of the second moment). On CUDA the trainer runs the fused kernel,
+    which needs none; on other accelerators torch's default is the foreach path, one fp32 tensor list as
+    large as the local parameters; on CPU it is the per-tensor loop, so only the largest local tensor
+    (the embedding or output matrix, or an MLP weight)."""
+    if geo.accelerator == "gpu":
+        return 0.0
     if geo.accelerator != "cpu":
         return FP32 * geo.chip_params
     model, par = geo.model, geo.parallel
@@ -166,7 +197,8 @@ def optimizer_temp_bytes(geo: Geometry) -> float:
 
 def estimate_memory(geo: Geometry) -> MemoryBreakdown:
     """Per-chip bytes. In backward the loss buffers are gone before the first block is recomputed, so
-    the fwd/bwd peak has the larger of the two on top of the kept activations and FSDP buffers."""
+    the fwd/bwd peak has the larger of the two (the recompute with the gradients made by then) on top
+    of the kept activations and FSDP buffers."""
     chip_params = geo.chip_params
     states = {name: per_param * chip_params for name, per_param in STATE_BYTES.items()}
     kept, recomputed = activation_bytes(geo)
@@ -174,7 +206,14 @@ def estimate_memory(geo: Geometry) -> MemoryBreakdown:
     fsdp, loss = fsdp_buffer_bytes(geo) + ring_buffer_bytes(geo), loss_buffer_bytes(geo)
     optimizer_temp = optimizer_temp_bytes(geo)
     grads_live_in_backward = geo.microbatches > 1 or geo.parallel.pp > 1
-    fwd_bwd = kept + fsdp + max(loss, recomputed) + (states["grads"] if grads_live_in_backward else 0.0)
+    live_grads = states["grads"] if grads_live_in_backward else 0.0
+    # Without accumulation the gradients still fill up as backward goes: when full checkpointing
+    # rebuilds the first block, every later block's gradient (nearly all of them) already exists.
+    # (Selective rebuilds only the element-wise ops, well below ``recomputed``'s whole block, which
+    # then already covers them: measured on tiny, tests/test_plan.py.)
+    full_rebuild = geo.parallel.activation_checkpointing == "full" and not grads_live_in_backward
+    grads_at_recompute = states["grads"] if full_rebuild else 0.0
+    fwd_bwd = kept + fsdp + max(loss, recomputed + grads_at_recompute) + live_grads
     step = states["grads"] + optimizer_temp
     total = states["params"] + states["optimizer"] + max(fwd_bwd, step)
     return MemoryBreakdown(
