@@ -4,6 +4,7 @@ graphs in the persistent cache instead of compiling them again (real Inductor, o
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,12 @@ def test_the_cache_is_the_runs_unless_the_environment_names_a_shared_one(
 ) -> None:
     run = RunDir(tmp_path / "run")
     monkeypatch.delenv(CACHE_ENV, raising=False)
+    assert use_compile_cache(run.compile_cache) == run.path / "compile_cache"
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv(CACHE_ENV)
+    cache_dir()  # what importing torch._dynamo does: torch's default written into the variable
+    assert os.environ[CACHE_ENV] != str(run.path / "compile_cache")
     assert use_compile_cache(run.compile_cache) == run.path / "compile_cache"
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "shared"))
     assert use_compile_cache(run.compile_cache) == tmp_path / "shared"

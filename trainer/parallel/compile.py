@@ -30,9 +30,18 @@ def apply_compile(model: Transformer, backend: str = "inductor") -> Transformer:
 
 
 def use_compile_cache(default: Path) -> Path:
-    """Inductor's cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` if set (a shared cache), else ``default``
-    (set for this process, before anything compiles)."""
-    return Path(os.environ.setdefault(CACHE_ENV, str(default)))
+    """Inductor's cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` if the user set it (a shared cache), else
+    ``default`` (set for this process, before anything compiles).
+
+    Importing ``torch._dynamo`` (FSDP, DTensor and compile all do) writes torch's own default,
+    ``/tmp/torchinductor_<user>``, into the variable, so that value counts as unset: else every run
+    would share the machine's temporary cache and a resumed run on a fresh node would find nothing."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get(CACHE_ENV)
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ[CACHE_ENV] = str(default)
+    return Path(os.environ[CACHE_ENV])
 
 
 def compile_seconds() -> float:
