@@ -54,9 +54,10 @@ def launcher_env(run_id: str) -> dict[str, str]:
 
 def check_launcher(checkpoint_url: str) -> None:
     """Raise :class:`LauncherGone` unless the launcher named by :data:`LAUNCHER_ENV` is alive and
-    still holds the lease on ``checkpoint_url``. Called before every commit: a ``tessera train``
-    killed with ``kill -9`` leaves its ranks (in sessions of their own) alive for seconds, and a
-    relaunch may already own the location; they would commit, and retire checkpoints, beside it.
+    still holds the lease on ``checkpoint_url`` (where anyone holds it). Called before every commit:
+    a ``tessera train`` killed with ``kill -9`` leaves its ranks (in sessions of their own) alive for
+    seconds, and a relaunch may already own the location; they would commit, and retire checkpoints,
+    beside it.
     Ranks launched without it (a Kubernetes job: its lease lives with the orchestrator) are not checked."""
     launcher = json.loads(os.environ.get(LAUNCHER_ENV) or "null")
     if launcher is None:
@@ -67,7 +68,9 @@ def check_launcher(checkpoint_url: str) -> None:
             f"{checkpoint_url}"
         )
     holder = Lease(checkpoint_url, launcher["run_id"]).current()
-    if holder is None or {key: holder.get(key) for key in launcher} != launcher:
+    # No holder: a launch that claimed nothing (a test or benchmark calling Run.launch_local alone);
+    # its launcher is alive, checked above, and nobody else owns the location.
+    if holder is not None and {key: holder.get(key) for key in launcher} != launcher:
         raise LauncherGone(
             f"the lease on {checkpoint_url} is no longer this launch's (held by {holder}); not committing"
         )
