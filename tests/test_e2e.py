@@ -349,7 +349,7 @@ def test_cancelling_a_flow_run_stops_every_trainer_process_within_seconds(
     flow_run = client.create_flow_run_from_deployment(
         deployment_id(client, "train-pipeline/local-cpu"), parameters=json.loads(json.dumps({"spec": spec}))
     )
-    run_dir = deployed[1] / f"e2e-cancel-{flow_run.id.hex[:8]}"
+    run_dir = deployed[1] / f"e2e-cancel-{flow_run.id.hex[-8:]}"
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not read_metrics(run_dir / "metrics.jsonl"):
         assert time.monotonic() < deadline, "training never started"

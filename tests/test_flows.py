@@ -140,7 +140,7 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
     assert state.is_completed(), state.message
     assert killer.killed_at is not None
     run = run_of(runs_dir, spec.name)
-    assert run is not None and run.run_id == f"{spec.name}-{state.state_details.flow_run_id.hex[:8]}"
+    assert run is not None and run.run_id == f"{spec.name}-{state.state_details.flow_run_id.hex[-8:]}"
 
     # Every port the run listened on (Prefect's server, gloo, loader workers) is on loopback, except
     # torchrun's rendezvous store: torch 2.13's TCPStore binds all interfaces and has no option not to.

@@ -270,7 +270,7 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
             time.sleep(1)
         assert run.state.is_completed(), run.state.message
         assert run.parameters["spec"]["name"] == "ui-run"  # the form's edit is what ran
-        run_dir = runs / f"ui-run-{flow_run_id.hex[:8]}"  # each flow run is a run of its own
+        run_dir = runs / f"ui-run-{flow_run_id.hex[-8:]}"  # each flow run is a run of its own
         assert (run_dir / "loss.png").exists() and (run_dir / "memory.png").exists()
 
         # The graph is the declared pipeline, linked by real data dependencies.
