@@ -372,7 +372,7 @@ def test_infrastructure_errors_are_retryable_and_user_errors_are_not() -> None:
 def test_failure_history_sums_steps_lost_and_names_the_last_good_checkpoint(tmp_path: Path) -> None:
     with MetricsWriter(tmp_path / "metrics.jsonl", resumed_step=0, enabled=True) as metrics:
         for step in range(1, 4):
-            metrics.write({"step": step})
+            metrics.write({"step": step, "loss": 1.0})
     record_failure(RunDir(tmp_path), str(tmp_path / "checkpoints"), "node_failure", -9)
     history = record_failure(RunDir(tmp_path), str(tmp_path / "checkpoints"), "node_failure", EXIT_HANG)
     assert [a.exit_code for a in history] == [-9, EXIT_HANG]
