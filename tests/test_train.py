@@ -436,11 +436,11 @@ def test_metrics_writer_drops_steps_after_the_resumed_one(tmp_path: Path) -> Non
     path = tmp_path / "metrics.jsonl"
     with MetricsWriter(path, resumed_step=0, enabled=True) as writer:
         for step in range(1, 6):
-            writer.write({"step": step})
+            writer.write({"step": step, "loss": 1.0})
     with path.open("a") as torn:
         torn.write('{"step": 6, "lo')  # a writer killed mid-line
     with MetricsWriter(path, resumed_step=3, enabled=True) as writer:
-        writer.write({"step": 4})
+        writer.write({"step": 4, "loss": 1.0})
     assert [line["step"] for line in read_metrics(path)] == [1, 2, 3, 4]
     MetricsWriter(tmp_path / "other.jsonl", resumed_step=0, enabled=False).write({"step": 1})
     assert not (tmp_path / "other.jsonl").exists()
