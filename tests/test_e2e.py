@@ -387,12 +387,12 @@ def test_submit_overrides_a_few_fields_of_the_deployments_spec(
     pipeline = client.read_deployment_by_name("train-pipeline/local-cpu")
     out = cli(
         env, sys.executable, "-m", "tessera.cli", "submit", "train-pipeline/local-cpu",
-        "--set", "train.steps=3", "--set", "optimizer.lr=1e-3", "--set", "name=e2e-submit",
+        "--set", "train.steps=6", "--set", "optimizer.lr=1e-3", "--set", "name=e2e-submit",
     )  # fmt: skip
     flow_run_id = UUID(out.split("(", 1)[1].split(")", 1)[0])
     client.set_flow_run_state(flow_run_id, Cancelled(), force=True)  # the parameters are the subject here
     spec = client.read_flow_run(flow_run_id).parameters["spec"]
-    assert (spec["train"]["steps"], spec["optimizer"]["lr"], spec["name"]) == (3, 1e-3, "e2e-submit")
+    assert (spec["train"]["steps"], spec["optimizer"]["lr"], spec["name"]) == (6, 1e-3, "e2e-submit")
     deployed_spec = pipeline.parameters["spec"]
     assert spec["data"]["max_documents"] == deployed_spec["data"]["max_documents"]  # kept, not defaulted
     assert spec["train"]["seq_len"] == deployed_spec["train"]["seq_len"]
