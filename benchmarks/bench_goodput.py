@@ -7,7 +7,7 @@
    effective training time with two tiers (Llama 3 reported > 90%).
 2. **Simulator vs reality** (measured on this machine): a calibration run of the tiny model on two
    gloo ranks, killed -9 twice, gives this machine's start-up, restart (fault → resumed), step and
-   checkpoint-stall times (:mod:`trainer.goodput`). A second run is killed -9 at failure times drawn from
+   checkpoint-stall times (:mod:`trainer.report.goodput`). A second run is killed -9 at failure times drawn from
    the simulator's failure model at a known rate (one kill per ``MTBF_S`` seconds of training, seed
    ``SEED``); its goodput is measured from its ``goodput.jsonl`` and predicted by the simulator on the
    same draws, with the first run's restart, start-up and checkpoint costs and the second run's median
@@ -38,12 +38,9 @@ import yaml
 
 from benchmarks.common import RESULTS_DIR, Goal, Headline, main
 from deployments.spec import TrainingSpec, load_spec
-from trainer.agents import agent_workers
-from trainer.goodput import Breakdown, account_run, read_events, restart_seconds
-from trainer.launch import launch_env
+from trainer.goodput_log import read_events
 from trainer.metrics import read_metrics
 from trainer.plan.checkpointing import daly_interval_seconds
-from trainer.plan.goodput_chart import plot_goodput
 from trainer.plan.goodput_sim import (
     LLAMA3_TABLE5,
     Assumptions,
@@ -56,7 +53,11 @@ from trainer.plan.goodput_sim import (
     policy_clusters,
     simulate,
 )
+from trainer.report.goodput import Breakdown, account_run, restart_seconds
+from trainer.report.goodput_chart import plot_goodput
 from trainer.rundir import RunDir
+from trainer.runtime.agents import agent_workers
+from trainer.runtime.launch import launch_env
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_405B = Path(__file__).parent / "llama3-405b-h100-16k.yaml"

@@ -440,7 +440,7 @@ def baseline_worker(job_json: Path, out: Path, steps: int, warmup: int, checkpoi
     from trainer.model import Transformer
     from trainer.parallel.compile import apply_compile
     from trainer.parallel.float8 import apply_float8
-    from trainer.telemetry import peak_memory_bytes
+    from trainer.rank.telemetry import peak_memory_bytes
 
     job = JobConfig.model_validate_json(job_json.read_text())
     device = torch.device("cuda" if job.hardware.accelerator == "gpu" else "cpu")

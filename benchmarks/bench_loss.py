@@ -1,4 +1,4 @@
-"""The head and loss: chunked linear cross-entropy (``trainer.loss.linear_cross_entropy``, what the
+"""The head and loss: chunked linear cross-entropy (``trainer.rank.loss.linear_cross_entropy``, what the
 trainer runs) vs the plain one over materialized fp32 logits, measured in one run.
 
 One fwd+bwd of the output projection and the loss over N tokens at a vocabulary where the logits
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import Goal, Headline, main
-from trainer.loss import linear_cross_entropy, token_loss
+from trainer.rank.loss import linear_cross_entropy, token_loss
 
 TOKENS, DIM, VOCAB = 1024, 256, 32_000  # fp32 logits 131 MB; hidden + weight 34 MB
 STEPS, WARMUP = 5, 1

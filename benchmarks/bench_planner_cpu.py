@@ -39,11 +39,11 @@ from trainer.config import (
     ParallelConfig,
     TrainConfig,
 )
-from trainer.launch import launch_env, torchrun_command
 from trainer.metrics import read_metrics
 from trainer.plan import make_plan
 from trainer.plan.calibrate import calibrate
 from trainer.plan.profile import load_profile
+from trainer.runtime.launch import launch_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "runs" / "calibration" / "cpu.json"

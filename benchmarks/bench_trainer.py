@@ -2,7 +2,7 @@
 
 Both sides train the ``small`` preset on 2 CPU processes over gloo, with the same model class and
 init, the same synthetic samples, global batch, micro-batching, AdamW and gradient clipping. The
-trainer runs through ``Run.open`` and ``trainer.launch.run_agents`` (the path ``tessera train``
+trainer runs through ``Run.open`` and ``trainer.runtime.launch.run_agents`` (the path ``tessera train``
 takes) twice: pure data parallelism (``dp_replicate=2``, which the trainer runs on DDP, so the ratio
 is the loop's own overhead) and the local specs' FSDP2 layout (``dp_shard=2``: all-gathers and
 reduce-scatters per micro-batch, the price of sharding); the baseline is ``DistributedDataParallel``
@@ -28,9 +28,9 @@ from benchmarks.common import Goal, Headline, main
 from deployments.run import Run
 from deployments.spec import TrainingSpec
 from trainer.config import JobConfig
-from trainer.launch import launch_env, torchrun_command
 from trainer.metrics import read_metrics
 from trainer.rundir import RunDir
+from trainer.runtime.launch import launch_env, torchrun_command
 from trainer.train import PhaseClock
 
 STEPS, WARMUP = 12, 3  # the first steps pay for allocator growth and lazy init on both sides

@@ -42,8 +42,8 @@ from deployments.spec import TrainingSpec
 from trainer import storage
 from trainer.backends.chips import get_chip
 from trainer.failures import EXIT_USER_ERROR
-from trainer.launch import launch_env
-from trainer.replica_groups import LIGHTHOUSE_ENV, REPLICA_ENV
+from trainer.replicas import LIGHTHOUSE_ENV, REPLICA_ENV
+from trainer.runtime.launch import launch_env
 
 Manifest = dict[str, Any]
 
@@ -315,7 +315,7 @@ def training_jobset(run: Run, name: str, labels: dict[str, str]) -> Manifest:
         "image": spec.cluster.image,
         # An unset value drops the field (the namespace's default service account), as in the pool's template.
         **({"service_account_name": spec.cluster.service_account} if spec.cluster.service_account else {}),
-        "command": ["python", "-m", "trainer.pod", "--run-dir", RUN_DIR, "--", *torchrun],
+        "command": ["python", "-m", "trainer.runtime.pod", "--run-dir", RUN_DIR, "--", *torchrun],
         "env": pod_env(run),
     }
     job = apply_values(template["job_configuration"]["job_manifest"], values)
@@ -342,7 +342,7 @@ def lighthouse_job(run: Run, name: str, labels: dict[str, str]) -> Manifest:
     container: Manifest = {
         "name": LIGHTHOUSE_JOB,
         "image": run.spec.cluster.image,
-        "command": ["python", "-m", "trainer.replica_groups", "--job", f"{JOB_DIR}/job.json"],
+        "command": ["python", "-m", "trainer.runtime.replica_groups", "--job", f"{JOB_DIR}/job.json"],
         "args": ["--port", str(LIGHTHOUSE_PORT)],
         "ports": [{"name": LIGHTHOUSE_JOB, "containerPort": LIGHTHOUSE_PORT}],
         "readinessProbe": {"httpGet": {"path": "/status", "port": LIGHTHOUSE_PORT}, "periodSeconds": 5},

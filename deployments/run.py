@@ -28,15 +28,15 @@ from typing import Any
 
 from deployments.spec import SpecError, TrainingSpec
 from trainer import storage
-from trainer.compare import leaves
+from trainer.checkpoint.lease import Lease, launcher_env
 from trainer.config import JobConfig
 from trainer.failures import UserError
 from trainer.job import resolve_job
-from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
-from trainer.lease import Lease, launcher_env
 from trainer.plan import Plan, plan_for_job
-from trainer.replica_groups import replica_groups
+from trainer.report.compare import leaves
 from trainer.rundir import RunDir, runs_root
+from trainer.runtime.launch import LaunchResult, launch_env, run_agents, torchrun_command
+from trainer.runtime.replica_groups import replica_groups
 
 # Spec fields that do not change what is trained (evaluation, logging, operations), so a continued
 # run may differ in them freely. A prefix covers a whole section.
@@ -155,7 +155,7 @@ class Run:
         self.dir.job.write_text(self.job.model_dump_json(indent=2))
 
     def claim(self) -> Lease:
-        """Own the run's checkpoint location for one launch (see :mod:`trainer.lease`).
+        """Own the run's checkpoint location for one launch (see :mod:`trainer.checkpoint.lease`).
 
         Also the pre-flight write check: a read-only location, or one that is a file, fails here in
         one line naming ``checkpoint.url``, before any step is trained and lost.
@@ -178,7 +178,7 @@ class Run:
     ) -> LaunchResult:
         """Run this run's torchrun agents on this host (default: one, as ``tessera train`` does) with
         the backend's environment; an agent held stopped for ``faults.step_timeout_s`` is a hang. With
-        ``faults.min_nodes`` a lost agent does not end the run (see :func:`trainer.launch.run_agents`); with
+        ``faults.min_nodes`` a lost agent does not end the run (see :func:`trainer.runtime.launch.run_agents`); with
         ``faults.replica_fault_tolerance`` each replica group is an agent of its own, around the run's
         Lighthouse, and one that runs out of restarts stops no other."""
         faults = self.job.faults

@@ -33,7 +33,7 @@ from trainer.config import (
 )
 from trainer.elastic import elastic_errors
 from trainer.plan import fit_error
-from trainer.replica_groups import replica_ft_errors
+from trainer.replicas import replica_ft_errors
 
 SPEC_DIR = Path(__file__).parent / "specs"
 NAME_PATTERN = r"^[a-z0-9]([a-z0-9-]{0,46}[a-z0-9])?$"  # a valid Kubernetes name, so job names derive from it

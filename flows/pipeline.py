@@ -31,7 +31,7 @@ from tasks.run import open_run_task
 from tasks.train import retry_on_node_failure, train_task
 from trainer.checkpoint.manifest import Manifest, list_checkpoints
 from trainer.checkpoint.pins import pin, unpin
-from trainer.compare import CONTINUED, FLOW_RUN_PREFIX
+from trainer.report.compare import CONTINUED, FLOW_RUN_PREFIX
 
 EvalFuture = PrefectFuture[dict[str, Any] | None]
 one_line_spec_refusals()  # a spec the server accepted but the flow refuses: one line in the run's log

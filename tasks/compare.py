@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact
 from deployments.run import Run
 from tasks.curves import inline_png, plot_comparison
 from tasks.keys import artifact_key
-from trainer.compare import RunRecord, comparison_markdown
+from trainer.report.compare import RunRecord, comparison_markdown
 
 
 def write_comparison(runs: list[RunRecord], out: Path) -> tuple[Path, Path]:

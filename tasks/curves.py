@@ -7,8 +7,8 @@ import base64
 from pathlib import Path
 from typing import Any
 
-from trainer.compare import RunRecord
-from trainer.figures import png_figure
+from trainer.report.compare import RunRecord
+from trainer.report.figures import png_figure
 
 
 def plot_loss_curve(metrics: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path) -> Path:

@@ -1,4 +1,4 @@
-"""The run's goodput (:mod:`trainer.goodput`): each launch noted, the breakdown published as an artifact.
+"""The run's goodput (:mod:`trainer.report.goodput`): each launch noted, the breakdown published as an artifact.
 
 The trainer writes its own intervals; all the orchestrator adds is when it launched each attempt, so
 the time from launch to the first training process (pods scheduled, images pulled, agents started)
@@ -13,7 +13,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from deployments.run import Run
 from tasks.keys import artifact_key
-from trainer.goodput import account_run, append_event, format_markdown
+from trainer.goodput_log import append_event
+from trainer.report.goodput import account_run, format_markdown
 from trainer.rundir import RunDir
 
 

@@ -11,9 +11,9 @@ from deployments.eval_placement import eval_placement
 from deployments.run import Run
 from tasks.curves import inline_png
 from tasks.keys import artifact_key
-from trainer.measured import planned_vs_measured
 from trainer.plan import Plan
-from trainer.plan.chart import plot_memory_breakdown
+from trainer.plan.measured import planned_vs_measured
+from trainer.report.plan_chart import plot_memory_breakdown
 from trainer.units import GiB
 
 

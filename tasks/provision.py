@@ -27,8 +27,8 @@ from deployments.kubernetes import (
     write_manifests,
 )
 from deployments.run import Run
-from trainer.agents import stop_recorded_agents
 from trainer.plan import Plan
+from trainer.runtime.agents import stop_recorded_agents
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from tasks.goodput import publish_goodput
 from tasks.keys import artifact_key
 from tasks.plan import plan_rows, publish_plan
 from trainer.checkpoint.manifest import list_checkpoints
-from trainer.measured import markdown_table
 from trainer.metrics import JsonLines, load_metrics
+from trainer.plan.measured import markdown_table
 
 
 def report_markdown(

@@ -110,7 +110,7 @@ def plan(
         raise UserError(str(exc)) from None
     estimate = make_plan(*inputs, profile=figures)
     if chart is not None:
-        from trainer.plan.chart import plot_memory_breakdown
+        from trainer.report.plan_chart import plot_memory_breakdown
 
         typer.echo(f"memory chart: {plot_memory_breakdown(estimate, chart)}", err=True)
     ranked = search_layouts(*inputs, top=top, profile=figures) if search else []
@@ -150,7 +150,7 @@ def goodput(
     )
     results = compare_policies(clusters, LLAMA3_TABLE5, seed, days * 86400)
     if plot is not None:
-        from trainer.plan.goodput_chart import plot_goodput
+        from trainer.report.goodput_chart import plot_goodput
 
         title = f"{loaded.name}: {days:g} days on {loaded.cluster.world_size} × {loaded.cluster.chip}, seed {seed}"
         typer.echo(f"goodput chart: {plot_goodput(results, title, plot)}", err=True)
@@ -238,10 +238,10 @@ def train(
     Example: tessera train deployments/specs/local-cpu.yaml --run-dir runs/manual
     """
     from deployments.run import Run
+    from tessera.progress import StepProgress
     from trainer.data.loader import data_manifests
-    from trainer.launch import Stopped, stop_on_signals
-    from trainer.progress import StepProgress
     from trainer.rundir import RunDir
+    from trainer.runtime.launch import Stopped, stop_on_signals
 
     loaded = load_spec(spec)
     if nproc is not None and nproc != loaded.parallel.world_size:
@@ -306,8 +306,8 @@ def run(spec: SpecPath) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from deployments.run import Run
     from flows.pipeline import train_pipeline
-    from trainer.launch import Stopped, stop_on_signals
-    from trainer.progress import StepProgress
+    from tessera.progress import StepProgress
+    from trainer.runtime.launch import Stopped, stop_on_signals
 
     started = time.time()
     for runs in ("prefect.flow_runs", "prefect.task_runs"):  # the loggers the run engines log failures to
@@ -393,7 +393,7 @@ def compare(
     Example: tessera compare tiny-local-3f2a9c1b tiny-local-7d01e4aa
     """
     from tasks.compare import write_comparison
-    from trainer.compare import RunRecord, find_run
+    from trainer.report.compare import RunRecord, find_run
     from trainer.rundir import runs_root
 
     if len(runs) < 2:

@@ -191,7 +191,7 @@ def test_injected_death_mid_save_leaves_a_partial_never_a_commit(tmp_path: Path)
         "import torch\n"
         "from trainer.checkpoint import CheckpointManager\n"
         "from trainer.config import CheckpointConfig\n"
-        "from trainer.fault_injection import FaultInjector\n"
+        "from trainer.rank.fault_injection import FaultInjector\n"
         f"manager = CheckpointManager({str(tmp_path)!r}, CheckpointConfig(mode='sync'), 1, "
         f"{FINGERPRINT!r}, 1, 0, {{}}, faults=FaultInjector(kill_in_save_at_step=2))\n"
         "for step in (1, 2):\n"

@@ -24,16 +24,16 @@ from deployments.run import Run
 from deployments.spec import TrainingSpec
 from tasks.provision import free_port
 from tests.pipeline_specs import MICRO_MODEL
-from trainer.agents import agent_workers, kill_agent, start_agent, stop_agent
 from trainer.checkpoint import list_checkpoints
 from trainer.checkpoint.memory import memory_directory
 from trainer.checkpoint.resize import discard_other_sizes
 from trainer.config import JobConfig
 from trainer.elastic import describe_resize, elastic_errors, fit_to_world, micro_batches
 from trainer.failures import UserError
-from trainer.launch import LaunchResult, launch_env, run_agents, torchrun_command
 from trainer.metrics import read_metrics
 from trainer.rundir import RunDir
+from trainer.runtime.agents import agent_workers, kill_agent, start_agent, stop_agent
+from trainer.runtime.launch import LaunchResult, launch_env, run_agents, torchrun_command
 
 WAIT_S = 120.0
 SPEC: dict[str, Any] = {

@@ -43,16 +43,16 @@ from tasks.attempts import record_failure, summary
 from tasks.provision import free_port
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import MICRO_MODEL
-from trainer.agents import agent_workers, kill_agent, start_agent, worker_pid
 from trainer.checkpoint import CheckpointStoreError, list_checkpoints
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
 from trainer.data.fetch import decode_shard
 from trainer.data.shards import TOKENS_EXT
 from trainer.failures import EXIT_HANG, EXIT_INFRA, UserError, classify_exit, is_infra_error
-from trainer.launch import launch_env, torchrun_command
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.rundir import RunDir
+from trainer.runtime.agents import agent_workers, kill_agent, start_agent, worker_pid
+from trainer.runtime.launch import launch_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 FINISH = REPO / "tests" / "dist" / "fault_finish.py"

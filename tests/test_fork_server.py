@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.agents import worker_pid
-from trainer.fork_client import SOCKET_ENV
-from trainer.fork_server import ForkServer, socket_path
-from trainer.launch import run_agents, torchrun_command
 from trainer.rundir import RunDir
+from trainer.runtime.agents import worker_pid
+from trainer.runtime.fork_client import SOCKET_ENV
+from trainer.runtime.fork_server import ForkServer, socket_path
+from trainer.runtime.launch import run_agents, torchrun_command
 
 WAIT_S = 30.0
 # One script for every case: argv[1] says what the worker does once it reports its pid.
@@ -67,7 +67,7 @@ def client(socket: Path | str, *argv: str, cwd: Path) -> subprocess.Popen[str]:
     """The client as torchrun starts a worker: its own session, output piped to the agent."""
     env = {**os.environ, SOCKET_ENV: str(socket), "TESSERA_TEST_VALUE": "from-the-client"}
     return subprocess.Popen(
-        [sys.executable, "-u", "-m", "trainer.fork_client", *argv],
+        [sys.executable, "-u", "-m", "trainer.runtime.fork_client", *argv],
         env=env,
         cwd=cwd,
         stdout=subprocess.PIPE,
@@ -170,7 +170,7 @@ def test_warm_restart_puts_the_client_before_the_entry(tmp_path: Path) -> None:
     job = str(tmp_path / "job.json")
     command = torchrun_command(Path(job), tmp_path, 2, warm_restart=True)
     entry = ["-m", "trainer.train", "--spec", job, "--run-dir", str(tmp_path)]
-    assert command[-8:] == ["-m", "trainer.fork_client", *entry]
+    assert command[-8:] == ["-m", "trainer.runtime.fork_client", *entry]
     assert torchrun_command(Path(job), tmp_path, 2)[-6:] == entry
 
 
@@ -178,7 +178,7 @@ def test_launcher_serves_warm_commands_and_stops_its_server(script: Path, tmp_pa
     """run_agents starts the fork server (preloading the trainer: ~7 s) for a command whose worker
     entry is the client, and leaves neither it nor its socket behind."""
     lines: list[str] = []
-    command = [sys.executable, "-m", "trainer.fork_client", str(script), "exit", "0"]
+    command = [sys.executable, "-m", "trainer.runtime.fork_client", str(script), "exit", "0"]
     result = run_agents([command], dict(os.environ), RunDir(tmp_path / "run"), echo=lines.append)
     assert result.returncode == 0, result.log_tail
     assert lines[0].startswith("worker") and not any("directly" in line for line in lines), lines

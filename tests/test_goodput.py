@@ -16,7 +16,6 @@ import pytest
 from typer.testing import CliRunner
 
 from tessera.cli import app
-from trainer.goodput import account, format_markdown, restart_seconds
 from trainer.plan.goodput_sim import (
     LLAMA3_TABLE5,
     Cluster,
@@ -26,6 +25,7 @@ from trainer.plan.goodput_sim import (
     compare_policies,
     simulate,
 )
+from trainer.report.goodput import account, format_markdown, restart_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC_405B = REPO / "benchmarks" / "llama3-405b-h100-16k.yaml"

@@ -34,9 +34,9 @@ from deployments.run import Run
 from deployments.spec import SPEC_DIR, SpecError, load_spec, parse_spec, read_yaml
 from tests.crd_schemas import crd_errors
 from trainer.failures import EXIT_HANG, EXIT_INFRA, EXIT_USER_ERROR
-from trainer.launch import LaunchResult
-from trainer.pod import pod_exit_code
 from trainer.rundir import RunDir
+from trainer.runtime.launch import LaunchResult
+from trainer.runtime.pod import pod_exit_code
 
 GOLDEN = Path(__file__).parent / "golden"
 ACCELERATOR_SPECS = ["gpu-llama3-8b-h100", "tpu-llama3-70b-v5p", "trainium-llama3-70b-trn2"]
@@ -98,7 +98,7 @@ def test_one_pod_per_node_with_the_nodes_chips_and_a_shared_rendezvous(name: str
     network = jobset["spec"]["network"]  # JobSet's own headless Service: pods resolve before Ready
     assert network == {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": run.run_id}
     args = container["args"]
-    assert args[:6] == ["python", "-m", "trainer.pod", "--run-dir", "/var/run/tessera", "--"]
+    assert args[:6] == ["python", "-m", "trainer.runtime.pod", "--run-dir", "/var/run/tessera", "--"]
     assert f"--rdzv-endpoint={run.run_id}-node-0-0.{run.run_id}:29400" in args
     assert (
         f"--nnodes={spec.cluster.nodes}" in args and f"--nproc-per-node={spec.cluster.chips_per_node}" in args
@@ -366,7 +366,7 @@ def test_replica_fault_tolerance_renders_a_job_per_replica_group_restarted_alone
     assert "annotations" not in lighthouse["template"]["metadata"]
     pod = lighthouse["template"]["spec"]["template"]["spec"]
     (serve,) = pod["containers"]
-    assert serve["command"][:3] == ["python", "-m", "trainer.replica_groups"]
+    assert serve["command"][:3] == ["python", "-m", "trainer.runtime.replica_groups"]
     assert serve["readinessProbe"]["httpGet"] == {"path": "/status", "port": 29510}
     assert not any(chip in serve["resources"].get("limits", {}) for chip in CHIP_RESOURCE.values())
     job_json = json.loads(config_map["data"]["job.json"])

@@ -7,9 +7,9 @@ import torch
 
 from tests.dispatch import RecordOps
 from trainer.config import ModelConfig
-from trainer.loss import linear_cross_entropy, token_loss
 from trainer.model import Transformer, canonical_fqn
 from trainer.plan.memory import MIN_CHUNK_TOKENS
+from trainer.rank.loss import linear_cross_entropy, token_loss
 
 TINY = ModelConfig(
     preset="custom", n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=256, rope_theta=1e4

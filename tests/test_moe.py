@@ -28,7 +28,7 @@ from trainer.plan.experts import all_to_all_bytes
 from trainer.plan.flops import model_flops_per_token
 from trainer.plan.layout import Geometry
 from trainer.plan.params import count_params
-from trainer.step_hooks import after_optimizer_step
+from trainer.rank.step_hooks import after_optimizer_step
 
 SMALL = dict(
     preset="custom", n_layers=4, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=64, rope_theta=1e4

@@ -152,8 +152,8 @@ def test_memory_estimate_within_10_percent_of_measured_peak(preset: str, ac: str
 
     from trainer.config import OptimizerConfig
     from trainer.model import Transformer
-    from trainer.optim import build_optimizer
     from trainer.parallel.activation import apply_ac
+    from trainer.rank.optim import build_optimizer
 
     cfg, batch, seq = ModelConfig(preset=preset), 4, 128
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from deployments.register import REPO_ROOT
 FOLLOW = """
 import sys, time
 from pathlib import Path
-from trainer.progress import StepProgress
+from tessera.progress import StepProgress
 with StepProgress(lambda: Path(sys.argv[1]), total_steps=4):
     time.sleep(1.2)
 """

@@ -36,14 +36,14 @@ from deployments.spec import TrainingSpec
 from tests.fault_report import FaultRow, record
 from tests.test_faults import FINISH, Agent, curve, last_step, wait_for_line
 from tests.test_faults import SPEC as FAULTS_SPEC
-from trainer.agents import agent_workers, start_agent, worker_pid
 from trainer.checkpoint.memory import Inventory, memory_directory, newest_common_step
 from trainer.config import CheckpointConfig, HardwareConfig, JobConfig, ModelConfig
-from trainer.fork_server import ForkServer
 from trainer.job import resolve_job
-from trainer.launch import launch_env, torchrun_command
 from trainer.plan import plan_for_job
 from trainer.rundir import RunDir
+from trainer.runtime.agents import agent_workers, start_agent, worker_pid
+from trainer.runtime.fork_server import ForkServer
+from trainer.runtime.launch import launch_env, torchrun_command
 
 WAIT_S = 240.0
 MEMORY_INTERVAL = 1

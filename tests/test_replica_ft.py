@@ -41,11 +41,12 @@ from deployments.run import Run
 from deployments.spec import SpecError, TrainingSpec, parse_spec
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import MICRO_MODEL
-from trainer.agents import agent_workers, start_agent, stop_agent
-from trainer.launch import launch_env
 from trainer.metrics import read_metrics
-from trainer.replica_groups import LIGHTHOUSE_ENV, replica_groups, replica_job, replica_run_dir
+from trainer.replicas import LIGHTHOUSE_ENV, replica_job, replica_run_dir
 from trainer.rundir import RunDir
+from trainer.runtime.agents import agent_workers, start_agent, stop_agent
+from trainer.runtime.launch import launch_env
+from trainer.runtime.replica_groups import replica_groups
 from trainer.train import StepTelemetry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -362,14 +363,14 @@ def test_a_replica_groups_metrics_count_its_share_and_the_replicas_that_took_par
 
 
 def test_the_lighthouse_pods_entry_point_serves_until_sigterm(tmp_path: Path) -> None:
-    """``python -m trainer.replica_groups``, the Kubernetes Lighthouse pod's command: its status page
+    """``python -m trainer.runtime.replica_groups``, the Kubernetes Lighthouse pod's command: its status page
     (the pod's readiness probe) answers, and SIGTERM (the pod's deletion) ends it cleanly."""
     job = tmp_path / "job.json"
     job.write_text(TrainingSpec.model_validate(SPEC).job_config(None).model_dump_json())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "trainer.replica_groups", "--job", str(job), "--port", str(port)]
+    command = [sys.executable, "-m", "trainer.runtime.replica_groups", "--job", str(job), "--port", str(port)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert server.stdout is not None

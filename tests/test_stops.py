@@ -29,9 +29,9 @@ import yaml
 
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import MICRO_MODEL, run_of, tiny_spec_dict
-from trainer.agents import is_stopped
 from trainer.checkpoint import list_checkpoints
 from trainer.metrics import read_metrics
+from trainer.runtime.agents import is_stopped
 
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0

@@ -27,12 +27,12 @@ from tasks.provision import provision_task, teardown_task
 from tasks.report import report_task
 from tasks.train import TrainingFailed, already_complete, retry_on_node_failure
 from tests.pipeline_specs import tiny_spec
-from trainer.agents import start_agent, stop_agent
 from trainer.checkpoint.manifest import Manifest, step_dir_name, write_manifest
 from trainer.data.manifest import read_manifest
 from trainer.failures import EXIT_PREEMPTED, classify_exit
 from trainer.plan.checkpointing import daly_interval_seconds
 from trainer.rundir import RunDir
+from trainer.runtime.agents import start_agent, stop_agent
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

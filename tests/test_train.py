@@ -30,11 +30,11 @@ from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
 from trainer.config import JobConfig, OptimizerConfig
 from trainer.failures import EXIT_HANG, classify_exit, worker_exit_code
-from trainer.goodput import account_run
-from trainer.launch import LaunchResult, launch_env, torchrun_command
 from trainer.metrics import MetricsWriter, read_metrics
-from trainer.optim import build_optimizer, build_scheduler, lr_factor
+from trainer.rank.optim import build_optimizer, build_scheduler, lr_factor
+from trainer.report.goodput import account_run
 from trainer.rundir import RunDir
+from trainer.runtime.launch import LaunchResult, launch_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 LOGS = Path(__file__).parent / "data" / "torchrun_logs"
@@ -448,7 +448,7 @@ def test_metrics_writer_drops_steps_after_the_resumed_one(tmp_path: Path) -> Non
 
 def test_watchdog_ends_a_hung_process_with_the_hang_code() -> None:
     code = (
-        "import time\nfrom trainer.watchdog import StepWatchdog\nwith StepWatchdog(0.5, rank=1) as w:\n"
+        "import time\nfrom trainer.rank.watchdog import StepWatchdog\nwith StepWatchdog(0.5, rank=1) as w:\n"
         "    w.arm(7)\n    time.sleep(60)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -461,7 +461,7 @@ def test_watchdog_allows_a_multiple_of_the_slowest_step_so_far() -> None:
     past the 1 s floor but under ten times step 1, is no hang; step 3, which never ends, still is, after
     ten times the slowest step."""
     code = (
-        "import time\nfrom trainer.watchdog import StepWatchdog\n"
+        "import time\nfrom trainer.rank.watchdog import StepWatchdog\n"
         "with StepWatchdog(1.0, rank=0, first_step_s=30) as w:\n"
         "    for step, pause in ((1, 1.2), (2, 1.5), (3, 600)):\n"
         "        w.arm(step)\n        time.sleep(pause)\n        w.disarm()\n"

@@ -36,7 +36,7 @@ EXIT_OK = 0
 EXIT_USER_ERROR = 3  # a failure retrying cannot fix
 EXIT_HANG = 4  # the step watchdog fired: treated as a node failure
 EXIT_INFRA = 5  # the store, the network or a loader worker failed under the job: a node failure
-EXIT_PREEMPTED = 6  # SIGTERM: the running step was checkpointed before exiting (trainer.preemption)
+EXIT_PREEMPTED = 6  # SIGTERM: the running step was checkpointed before exiting (trainer.rank.preemption)
 
 FailureKind = Literal["ok", "user_error", "node_failure", "preempted"]
 RETRYABLE: tuple[FailureKind, ...] = ("node_failure", "preempted")

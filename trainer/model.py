@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trainer.config import ModelConfig
-from trainer.loss import linear_cross_entropy, token_loss
 from trainer.moe import MoE
+from trainer.rank.loss import linear_cross_entropy, token_loss
 
 # Small init for projections (GPT-2 / Llama practice); residual outputs shrink with depth so the
 # residual stream's variance at init does not grow with the number of blocks.

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from trainer.config import MoEConfig
-from trainer.local_tensor import local_tensor
+from trainer.rank.local_tensor import local_tensor
 
 # How much one forward's auxiliary loss weighs in the step's gradient: 1/micro-batches under gradient
 # accumulation (each micro-batch's token loss is scaled so), 1 when a pipeline schedule scales grads itself.

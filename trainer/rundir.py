@@ -54,7 +54,7 @@ class RunDir:
 
     @property
     def goodput(self) -> Path:
-        """``goodput.jsonl``: where the run's wall time went (trainer intervals, launches; trainer.goodput)."""
+        """``goodput.jsonl``: where the run's wall time went (trainer intervals, launches; trainer.goodput_log)."""
         return self.path / "goodput.jsonl"
 
     @property

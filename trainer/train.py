@@ -53,22 +53,22 @@ from trainer.failures import (
     record_user_error,
     restarted_after_user_error,
 )
-from trainer.fault_injection import FaultInjector
-from trainer.goodput import GoodputRecorder, process_started_at
+from trainer.goodput_log import GoodputRecorder, process_started_at
 from trainer.job import resolve_job
 from trainer.metrics import MetricsWriter, mirror_of
-from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallel import ParallelModel, build_parallel_model
 from trainer.parallel.compile import compile_seconds, use_compile_cache
 from trainer.plan import plan_for_job
-from trainer.preemption import Preempted, PreemptionWatch
+from trainer.rank.fault_injection import FaultInjector
+from trainer.rank.optim import build_optimizer, build_scheduler
+from trainer.rank.preemption import Preempted, PreemptionWatch
+from trainer.rank.step_hooks import after_optimizer_step
+from trainer.rank.telemetry import gather_host_times, peak_memory_bytes, straggler_fields
+from trainer.rank.watchdog import StepWatchdog
 from trainer.rundir import RunDir
-from trainer.step_hooks import after_optimizer_step
-from trainer.telemetry import gather_host_times, peak_memory_bytes, straggler_fields
-from trainer.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
-    from trainer.replica_ft import ReplicaGroup
+    from trainer.rank.replica_ft import ReplicaGroup
 
 log = logging.getLogger("tessera.train")
 
@@ -107,7 +107,7 @@ def open_session(job: JobConfig) -> Session:
     rank, world = dist.get_rank(), dist.get_world_size()
     replicas = None
     if job.faults.replica_fault_tolerance:  # this process group is one replica group; torchft links them
-        from trainer.replica_ft import ReplicaGroup
+        from trainer.rank.replica_ft import ReplicaGroup
 
         replicas = ReplicaGroup(job)
         job = replicas.job

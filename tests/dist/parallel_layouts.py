@@ -26,12 +26,12 @@ from torch.distributed.tensor import DTensor
 
 from tests.dist.cp_checks import reshard_max_error, ring_attention_max_error
 from trainer.config import JobConfig
-from trainer.local_tensor import local_tensor
+from trainer.rank.local_tensor import local_tensor
 from trainer.model import Transformer, param_count
 from trainer.moe import MoE
 from trainer.parallel import ParallelModel, build_parallel_model, token_loss
 from trainer.parallel.context import shard_sequence
-from trainer.step_hooks import after_optimizer_step
+from trainer.rank.step_hooks import after_optimizer_step
 
 WORLD = 4
 STEPS, SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH = 3, 16, 8, 2

@@ -48,7 +48,7 @@ class Backend(ABC):
         dead peer's address from the previous attempt (gloo: "connectFullMesh failed ... Connection
         refused"); keys are therefore prefixed with the attempt number. Not in an elastic job: there
         rank 0 hosts a fresh store every round (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``, see
-        trainer.launch), and each agent counts its own restarts (a returning node starts at 0).
+        trainer.runtime.launch), and each agent counts its own restarts (a returning node starts at 0).
         """
         if dist.is_initialized():
             return

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 from trainer import storage
 from trainer.checkpoint import store
 from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
+from trainer.checkpoint.lease import check_launcher
 from trainer.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -43,8 +44,7 @@ from trainer.checkpoint.pins import pinned_steps
 from trainer.checkpoint.state import ModelOptimizerState, RNGState
 from trainer.config import CheckpointConfig
 from trainer.failures import is_infra_error
-from trainer.fault_injection import FaultInjector
-from trainer.lease import check_launcher
+from trainer.rank.fault_injection import FaultInjector
 
 log = logging.getLogger(__name__)
 

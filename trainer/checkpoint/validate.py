@@ -39,8 +39,8 @@ from trainer.checkpoint import store
 from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.checkpoint.manifest import Manifest, check_model, digest_files, read_manifest, write_manifest
 from trainer.config import JobConfig
-from trainer.launch import torchrun_command
-from trainer.local_tensor import local_tensor
+from trainer.rank.local_tensor import local_tensor
+from trainer.runtime.launch import torchrun_command
 from trainer.units import MiB
 
 LOAD_TIMEOUT_S = 1800.0

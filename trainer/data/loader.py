@@ -65,7 +65,7 @@ class _StepStream(IterableDataset):
 
 def _leave_signals_to_the_rank(worker_id: int) -> None:
     """A loader worker leaves its rank's process group: a stop signals that whole group, and the rank
-    must finish its step and checkpoint (:mod:`trainer.preemption`), not fail on a worker killed under
+    must finish its step and checkpoint (:mod:`trainer.rank.preemption`), not fail on a worker killed under
     it. The worker still ends with the rank: torch's DataLoader stops it, and it watches its parent."""
     os.setpgid(0, 0)
 

@@ -17,8 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, PipelineSchedule
-from trainer.local_tensor import local_tensor
-from trainer.loss import token_loss
 from trainer.model import Transformer, param_count
 from trainer.moe import auxiliary_loss_scale
 from trainer.parallel.context import shard_sequence
@@ -26,6 +24,8 @@ from trainer.parallel.grad_norm import clip_grad_norm_
 from trainer.parallel.mesh import build_mesh, dp_coordinates
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.replicate import sync_gradients_on_last
+from trainer.rank.local_tensor import local_tensor
+from trainer.rank.loss import token_loss
 
 if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo: a second of start-up, only for pp
     from torch.distributed.pipelining import PipelineStage

@@ -62,13 +62,13 @@ import torch.multiprocessing as mp
 
 from trainer.backends.chips import chip_for_device, chips_for, get_chip
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig
-from trainer.local_tensor import local_tensor
 from trainer.plan.compute import block_matmuls, block_seconds, elementwise_bytes
 from trainer.plan.disk import raw_disk_speed
 from trainer.plan.kernels import gemm_seconds
 from trainer.plan.layout import Geometry
 from trainer.plan.profile import HardwareProfile, MatmulPrecision, catalog_profile
 from trainer.plan.timers import HostTimer, Timer, device_timer
+from trainer.rank.local_tensor import local_tensor
 from trainer.units import GiB, MiB
 
 GEMM_SIZES = (32, 128, 512, 1024)  # each of m, n, k; the largest square sets the peak

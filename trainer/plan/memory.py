@@ -160,7 +160,7 @@ MIN_CHUNK_TOKENS = 256
 
 
 def loss_chunk_tokens(tokens: int, vocab: int, dim: int) -> int:
-    """Tokens per chunk of ``trainer.loss.linear_cross_entropy``: a chunk's logits about as many elements
+    """Tokens per chunk of ``trainer.rank.loss.linear_cross_entropy``: a chunk's logits about as many elements
     as the hidden states it reads (Liger's rule), at least ``MIN_CHUNK_TOKENS``. Here so that the
     planner, which imports no torch, prices the chunk the trainer cuts."""
     return max(MIN_CHUNK_TOKENS, math.ceil(tokens / math.ceil(vocab / dim)))

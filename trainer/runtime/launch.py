@@ -21,16 +21,16 @@ from typing import IO
 
 from torch.distributed import TCPStore
 
-from trainer.agents import is_stopped, kill_agent, start_agent, stop_agent
 from trainer.backends import get_backend
 from trainer.config import JobConfig
 from trainer.failures import FailureKind, UserError, classify_exit, worker_exit_code
-from trainer.fork_server import ForkServer
 from trainer.rundir import RunDir
+from trainer.runtime.agents import is_stopped, kill_agent, start_agent, stop_agent
+from trainer.runtime.fork_server import ForkServer
 
 LOG_TAIL_LINES = 200  # enough to hold torchrun's root-cause block and the ranks' last words
 POLL_S = 1.0
-FORK_CLIENT = "trainer.fork_client"
+FORK_CLIENT = "trainer.runtime.fork_client"
 
 
 def torchrun_command(
@@ -53,8 +53,8 @@ def torchrun_command(
     ``min_nodes`` makes the job elastic (``--nnodes=MIN:MAX``): a lost node is noticed after three missed
     heartbeats (``replacement_wait_s`` in all), then the survivors wait ``replacement_wait_s`` for a
     replacement (torch's ``last_call_timeout``) before continuing without it. ``warm_restart`` runs the
-    entry through :mod:`trainer.fork_client`, forked by the host's fork server that :func:`run_agents`
-    starts for such commands (see :mod:`trainer.fork_server`).
+    entry through :mod:`trainer.runtime.fork_client`, forked by the host's fork server that :func:`run_agents`
+    starts for such commands (see :mod:`trainer.runtime.fork_server`).
     """
     cmd = [
         sys.executable,
@@ -167,7 +167,7 @@ def run_agents(
     rendezvous store is hosted here, not in an agent, so that any agent may die and a returning one
     (started by whoever restores the capacity) finds it.
 
-    Commands whose workers run through :mod:`trainer.fork_client` (``faults.warm_restart``) get this
+    Commands whose workers run through :mod:`trainer.runtime.fork_client` (``faults.warm_restart``) get this
     host's fork server, started first and stopped after the agents.
     """
     agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]] = []

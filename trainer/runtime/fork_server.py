@@ -3,9 +3,9 @@
 Starting a worker process costs ~7 s on a small CPU host, nearly all of it imports (torch, DCP,
 DTensor, sympy, pipelining); restoring from host memory then takes under a second. torchrun restarts
 every worker of the group after any failure, so with ``faults.warm_restart`` each worker entry is
-:mod:`trainer.fork_client`, a stdlib-only stand-in that has this server fork the real worker::
+:mod:`trainer.runtime.fork_client`, a stdlib-only stand-in that has this server fork the real worker::
 
-    python -m trainer.fork_server --socket PATH [--preload trainer.train]   # the launcher starts it
+    python -m trainer.runtime.fork_server --socket PATH [--preload trainer.train]   # the launcher starts it
 
 The server imports the modules and runs no torch op: torch's thread pools do not exist yet when it
 forks (OpenBLAS's, started by numpy's import, shuts down and restarts around a fork by itself).
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from trainer.agents import terminate_with_parent
-from trainer.fork_client import SOCKET_ENV
+from trainer.runtime.agents import terminate_with_parent
+from trainer.runtime.fork_client import SOCKET_ENV
 
 PRELOAD = ("trainer.train",)  # everything a worker imports comes with it
 STOP_WAIT_S = 10.0  # the workers are gone when the launcher stops the server: it only has to exit
@@ -65,7 +65,7 @@ class ForkServer:
         self.path = socket_path(run_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)  # a killed server's: its existence means "listening" below
-        args = [sys.executable, "-m", "trainer.fork_server", "--socket", str(self.path)]
+        args = [sys.executable, "-m", "trainer.runtime.fork_server", "--socket", str(self.path)]
         # The workers' environment: what torch reads at import time is what a cold worker would see.
         self.proc = subprocess.Popen(
             [*args, *(f"--preload={module}" for module in preload)],
@@ -351,7 +351,7 @@ def _run(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m trainer.fork_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m trainer.runtime.fork_server", description=__doc__)
     parser.add_argument("--socket", type=Path, required=True, help="Unix socket to listen on.")
     parser.add_argument("--preload", action="append", default=[], help="Module to import before forking.")
     args = parser.parse_args(argv)

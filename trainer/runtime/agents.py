@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.fork_client import COMM_PREFIX
 from trainer.rundir import RunDir
+from trainer.runtime.fork_client import COMM_PREFIX
 
 STOP_GRACE_S = 30.0  # torchrun gives its workers as long to save a preempted step
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -73,7 +73,7 @@ def agent_workers(pid: int) -> list[int]:
 
 def worker_pid(pid: int) -> int:
     """The process that trains for torchrun's worker ``pid``: with warm restarts the worker torchrun
-    started is a stand-in (trainer.fork_client, named ``fork:PID`` once the fork server's child
+    started is a stand-in (trainer.runtime.fork_client, named ``fork:PID`` once the fork server's child
     runs), else ``pid`` itself."""
     try:
         name = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -84,7 +84,7 @@ def worker_pid(pid: int) -> int:
         server = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError, IndexError):
         return pid
-    return forked if b"trainer.fork_server" in server else pid  # not a reused pid
+    return forked if b"trainer.runtime.fork_server" in server else pid  # not a reused pid
 
 
 def kill_agent(pid: int) -> None:

@@ -6,7 +6,7 @@ wrapper, which exits with the code of :mod:`trainer.failures` instead: :data:`EX
 failure a restart cannot fix (the JobSet then fails at once), :data:`EXIT_HANG` or
 :data:`EXIT_INFRA` for a node failure (the JobSet restarts the gang)::
 
-    python -m trainer.pod --run-dir /var/run/tessera -- python -m torch.distributed.run ... -m trainer.train ...
+    python -m trainer.runtime.pod --run-dir /var/run/tessera -- python -m torch.distributed.run ... -m trainer.train ...
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from trainer.failures import EXIT_HANG, EXIT_INFRA, EXIT_OK, EXIT_USER_ERROR
-from trainer.launch import LaunchResult, run_agents
 from trainer.rundir import RunDir
+from trainer.runtime.launch import LaunchResult, run_agents
 
 
 def pod_exit_code(result: LaunchResult) -> int:
@@ -31,7 +31,7 @@ def pod_exit_code(result: LaunchResult) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.pod", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m trainer.runtime.pod", description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True, help="The pod's scratch run directory.")
     parser.add_argument("agent", nargs=argparse.REMAINDER, help="-- then the torchrun agent's argv.")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """A torchrun worker's entry with warm restarts: the worker is forked by the host's fork server.
 
-``python -m trainer.fork_client -m trainer.train --spec JOB --run-dir DIR`` (or ``SCRIPT ARGS``) asks
-the fork server (:mod:`trainer.fork_server`, its socket in ``$TESSERA_FORK_SOCKET``), which imported
+``python -m trainer.runtime.fork_client -m trainer.train --spec JOB --run-dir DIR`` (or ``SCRIPT ARGS``) asks
+the fork server (:mod:`trainer.runtime.fork_server`, its socket in ``$TESSERA_FORK_SOCKET``), which imported
 torch and the trainer once, to fork a worker with this process's argv, environment, working
 directory and stdin/stdout/stderr: a restarted rank skips the ~7 s of imports. This process stays
 where torchrun sees it and stands in for the worker: SIGTERM, SIGINT and the other stop signals it
@@ -30,12 +30,12 @@ SOCKET_ENV = "TESSERA_FORK_SOCKET"
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # The server imports torch before it forks the first worker: a busy 2-core host can take this long.
 ANSWER_TIMEOUT_S = 120.0
-COMM_PREFIX = "fork:"  # this process's name once the worker runs: how trainer.agents finds the worker
+COMM_PREFIX = "fork:"  # this process's name once the worker runs: how trainer.runtime.agents finds the worker
 
 
 def main(argv: list[str]) -> NoReturn:
     if not argv:
-        print("usage: python -m trainer.fork_client (-m MODULE | SCRIPT) [ARGS...]", file=sys.stderr)
+        print("usage: python -m trainer.runtime.fork_client (-m MODULE | SCRIPT) [ARGS...]", file=sys.stderr)
         os._exit(2)
     path = os.environ.get(SOCKET_ENV)
     if not path:
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> NoReturn:
         pid = _answer(answers, "pid")
     except (OSError, ValueError) as exc:
         _exec_directly(argv, f"the fork server at {path} did not answer ({exc})")
-    # torchrun knows this pid, not the worker's; the name links them (see trainer.agents.worker_pid).
+    # torchrun knows this pid, not the worker's; the name links them (see trainer.runtime.agents.worker_pid).
     with contextlib.suppress(OSError):
         Path("/proc/self/comm").write_text(f"{COMM_PREFIX}{pid}")
     conn.settimeout(None)

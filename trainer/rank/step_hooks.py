@@ -6,7 +6,7 @@ ranks holding the same module but seeing different tokens: data-parallel replica
 are among them) and context-parallel ranks. Not tp ranks, which see the same tokens, nor pp ranks, which
 hold other layers. So the loop needs no branch on the model, and the update is the same on every layout.
 What such a module counts during the step it also lists in ``step_statistics()``, so that replica groups
-outside the device mesh (``trainer.replica_ft``) can sum it across replicas first.
+outside the device mesh (``trainer.rank.replica_ft``) can sum it across replicas first.
 """
 
 from __future__ import annotations

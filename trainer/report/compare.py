@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.failures import UserError
-from trainer.measured import markdown_table, median_of, steady
 from trainer.metrics import load_metrics
+from trainer.plan.measured import markdown_table, median_of, steady
 from trainer.rundir import RunDir, runs_root
 
 FLOW_RUN_PREFIX = "train-"  # the pipeline names its flow runs train-<run id>

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.figures import png_figure
 from trainer.plan.plan import Plan
+from trainer.report.figures import png_figure
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers", "optimizer_temp")
 

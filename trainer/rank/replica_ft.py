@@ -18,11 +18,11 @@ What it changes: a step that ran on fewer replicas averaged fewer gradients (the
 that global batch are never trained), so the loss curve after a loss is not an uninterrupted run's.
 Up to the first loss it is. Supported inside a replica group: FSDP, TP, PP and EP, in any precision
 (each rank's gradients and state are its own shards, the same on rank i of every replica); CP is
-refused by ``trainer.replica_groups.replica_ft_errors``.
+refused by ``trainer.replicas.replica_ft_errors``.
 
 Only ``trainer.train`` imports this module, and only with the switch on; torchft itself is imported
 inside the functions that use it. The groups' commands and the Lighthouse are in
-``trainer.replica_groups``.
+``trainer.runtime.replica_groups``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from torch.utils._pytree import tree_map_only
 
 from trainer.config import JobConfig
 from trainer.failures import UserError
-from trainer.local_tensor import local_tensor
-from trainer.replica_groups import LIGHTHOUSE_ENV, REPLICA_ENV, replica_job
-from trainer.step_hooks import step_statistics
+from trainer.rank.local_tensor import local_tensor
+from trainer.rank.step_hooks import step_statistics
+from trainer.replicas import LIGHTHOUSE_ENV, REPLICA_ENV, replica_job
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -68,7 +68,7 @@ class ReplicaGroup:
             raise UserError(
                 f"faults.replica_fault_tolerance: each replica group's workers need {REPLICA_ENV} (0 to "
                 f"{self.replicas - 1}) and {LIGHTHOUSE_ENV} (now {replica!r}, {self.lighthouse!r}); launch each "
-                "group with its command from trainer.replica_groups.replica_groups"
+                "group with its command from trainer.runtime.replica_groups.replica_groups"
             )
         self.replica = int(replica)
         self.job = replica_job(job, self.replica)

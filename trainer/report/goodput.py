@@ -17,25 +17,21 @@ Definitions follow Google's ML Productivity Goodput (cloud.google.com, "ML Goodp
 Evaluations and checkpoint validation run beside training (``tasks/checkpoints.py``) and cost the
 training job no wall time, so they have no line here.
 
-The trainer's rank 0 appends intervals to ``goodput.jsonl`` (:class:`GoodputRecorder`); the train task
-appends ``launch`` lines; :func:`account` turns the file into a :class:`Breakdown`. A ``kill -9``
+The trainer's rank 0 and the train task write ``goodput.jsonl`` (:mod:`trainer.goodput_log`);
+:func:`account` turns the file into a :class:`Breakdown`. A ``kill -9``
 leaves no line: the time from an attempt's last line to the next attempt's restore is its restart.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from trainer.metrics import read_json_lines, read_metrics
+from trainer.goodput_log import read_events
+from trainer.metrics import read_metrics
 
-SPAN_FLUSH_S = 1.0  # at most this much finished-step time is unrecorded when a process is killed: a
-# killed attempt's unrecorded steps count as its restart, not as recomputed steps
 CATEGORIES = (
     "productive",
     "checkpoint",
@@ -46,74 +42,6 @@ CATEGORIES = (
     "scheduling",
     "other",
 )
-
-
-def process_started_at() -> float:
-    """Wall-clock time this process was created: start-up includes the interpreter and torch import."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(
-            float(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime")
-        )
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):  # not Linux: from now on
-        return time.time()
-
-
-def append_event(path: Path, event: dict[str, Any]) -> None:
-    """One line, opened in append mode: the train task and the trainer write the file at different times."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as out:
-        out.write(json.dumps(event) + "\n")
-
-
-class GoodputRecorder:
-    """Rank 0's intervals: start-up, restore, spans of consecutive steps, checkpoint stalls, the end.
-
-    Steps are coalesced into spans written at checkpoints, at the end, and every ``SPAN_FLUSH_S``, so a
-    long run writes a few lines a minute rather than one per step.
-    """
-
-    def __init__(self, path: Path, enabled: bool) -> None:
-        self._file: IO[str] | None = None
-        self._span: dict[str, Any] | None = None
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a", buffering=1)
-
-    def write(self, kind: str, t0: float, t1: float, **fields: Any) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps({"kind": kind, "t0": t0, "t1": t1, **fields}) + "\n")
-
-    def step(self, step: int, t0: float, t1: float) -> None:
-        if self._span is None:
-            self._span = {"first": step, "t0": t0}
-        self._span.update(last=step, t1=t1)
-        if t1 - self._span["t0"] >= SPAN_FLUSH_S:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._span is not None:
-            span, self._span = self._span, None
-            self.write("steps", span.pop("t0"), span.pop("t1"), **span)
-
-    def checkpoint(self, step: int | None, t0: float, t1: float) -> None:
-        """A storage save's stall (``step`` None: waiting for the save in flight at the end)."""
-        self.flush()
-        self.write("checkpoint", t0, t1, step=step)
-
-    def snapshot(self, step: int, t0: float, t1: float) -> None:
-        """An in-memory snapshot's stall (``trainer.checkpoint.memory``)."""
-        self.flush()
-        self.write("snapshot", t0, t1, step=step)
-
-    def close(self) -> None:
-        self.flush()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 @dataclass
@@ -165,10 +93,6 @@ class Breakdown:
             "runtime_goodput": self.runtime_goodput,
             "program_goodput": self.program_goodput,
         }
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    return read_json_lines(path).records  # the same JSONL rules: no file → none, a damaged line skipped
 
 
 def attempts_of(events: list[dict[str, Any]]) -> list[Attempt]:

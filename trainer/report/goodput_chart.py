@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.figures import png_figure
 from trainer.plan.goodput_sim import CATEGORIES, Result
+from trainer.report.figures import png_figure
 
 DAY_S = 86400.0
 

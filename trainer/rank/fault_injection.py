@@ -15,7 +15,7 @@ The trainer holds one :class:`FaultInjector` and hands it to whatever it hooks i
   tessera's manifest): the partial a death mid-upload leaves. First attempt only, as above; with an
   async save the kill lands in the background upload thread.
 * ``TESSERA_FAULT_SLOW_RANK=R`` — rank R sleeps ``TESSERA_FAULT_SLOW_S`` seconds (default 0.5)
-  before every step: a straggler, for the per-rank telemetry of :mod:`trainer.telemetry` to name.
+  before every step: a straggler, for the per-rank telemetry of :mod:`trainer.rank.telemetry` to name.
 * ``TESSERA_FAULT_HOLD_AT_STEP=N`` with ``TESSERA_FAULT_HOLD_UNTIL=PATH`` — every rank waits before
   step N until PATH exists: a test orders its processes by an event (a peer is back) instead of
   racing them against a fixed pace that a busy machine breaks.

@@ -1,0 +1,1 @@
+"""What a finished or running run is reported as: comparisons, goodput accounting, figures."""
