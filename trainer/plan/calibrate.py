@@ -611,8 +611,6 @@ def collective_link(world: int, alone: dict[str, dict[str, float]]) -> dict[str,
         calls = {name: int(rate["calls"]) for name, rate in alone.items()}
         mp.spawn(_collective_worker, args=(world, _free_port(), out, calls), nprocs=world, join=True)
         result = json.loads(Path(out).read_text())
-    timings = result["timings"]
-    latency, bandwidth = fit_link(timings, world)
     fsdp_latency, fsdp_per_byte = fit_round_trip(result["fsdp"])
     tp_latency, tp_per_byte = fit_round_trip(result["tp"])
     cores = os.cpu_count() or world
@@ -620,18 +618,13 @@ def collective_link(world: int, alone: dict[str, dict[str, float]]) -> dict[str,
     compute_share = share(alone["gemm"]["seconds"], concurrent["gemm"], world, cores)
     memory_share = share(alone["copy"]["seconds"], concurrent["copy"], world, cores)
     return {
-        "ranks": world,
-        "latency_s": latency,
-        "bandwidth": bandwidth,
-        "reduce_scatter_factor": result["reduce_scatter_factor"],
-        "all_reduce_factor": result["all_reduce_factor"],
+        **link_figures(result, world),
         "compute_share": compute_share,
         "memory_share": memory_share,
         "fsdp_latency_s": fsdp_latency,
         "fsdp_s_per_byte": fsdp_per_byte,
         "tp_latency_s": tp_latency,
         "tp_s_per_byte": tp_per_byte,
-        "raw": timings,
         "raw_share_s": {
             name: {"alone": alone[name]["seconds"], "concurrent": concurrent[name]} for name in alone
         },
@@ -683,6 +676,12 @@ def device_link(world: int) -> dict[str, Any]:
         out = str(Path(tmp) / "timings.json")
         mp.spawn(_device_collective_worker, args=(world, _free_port(), out), nprocs=world, join=True)
         result = json.loads(Path(out).read_text())
+    return link_figures(result, world)
+
+
+def link_figures(result: dict[str, Any], world: int) -> dict[str, Any]:
+    """What gloo's and NCCL's workers both measure, as the profile stores it: α and β of the
+    all-gathers (``fit_link``), the reduce-scatter and all-reduce factors, and the raw timings."""
     latency, bandwidth = fit_link(result["timings"], world)
     return {
         "ranks": world,
