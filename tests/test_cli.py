@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,6 +45,7 @@ def test_user_error_is_one_line_without_traceback(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "cannot read spec" in missing.stderr
 
 
+@pytest.mark.slow
 def test_missing_data_is_one_line_without_traceback(tmp_path: Path) -> None:
     """`tessera train` checks its dataset before launching any rank; `tessera run` (the pipeline on a
     temporary Prefect server) shows the task's DataError without Prefect's two tracebacks of it."""

@@ -45,6 +45,7 @@ def compile_in_a_new_process(cache: Path) -> dict[str, Any]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # two real Inductor compiles (C++ codegen): minutes on a loaded 2-core box
 def test_a_second_process_reuses_the_compiled_graphs_and_both_count_their_compile_time(
     tmp_path: Path,

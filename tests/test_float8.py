@@ -83,6 +83,7 @@ def test_fp8_recipes_train_like_bf16_through_fsdp() -> None:
         print(f"{recipe}: largest loss difference from bf16 over {STEPS} steps {worst:.3%}")  # -s shows it
 
 
+@pytest.mark.slow
 def test_torchao_is_imported_only_when_fp8_is_on() -> None:
     code = (
         "import sys, trainer.parallel, trainer.plan, deployments.spec;"

@@ -174,6 +174,7 @@ def test_warm_restart_puts_the_client_before_the_entry(tmp_path: Path) -> None:
     assert torchrun_command(Path(job), tmp_path, 2)[-6:] == entry
 
 
+@pytest.mark.slow
 def test_launcher_serves_warm_commands_and_stops_its_server(script: Path, tmp_path: Path) -> None:
     """run_agents starts the fork server (preloading the trainer: ~7 s) for a command whose worker
     entry is the client, and leaves neither it nor its socket behind."""

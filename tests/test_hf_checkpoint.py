@@ -254,6 +254,7 @@ def test_a_malformed_config_json_is_one_line_naming_it(
     assert len(result.output.strip().splitlines()) == 1, result.output
 
 
+@pytest.mark.slow
 def test_export_and_import_print_no_torch_warnings(
     trained: tuple[str, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:

@@ -279,6 +279,7 @@ def test_prefect_yaml_is_generated_from_the_specs() -> None:
     assert deployments[("train_pipeline", "nightly")]["schedules"][0]["cron"] == "0 3 * * *"
 
 
+@pytest.mark.slow
 def test_render_command_writes_valid_manifests_and_refuses_cpu_specs(tmp_path: Path) -> None:
     def tessera(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

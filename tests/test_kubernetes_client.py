@@ -131,6 +131,7 @@ class Cancelled(Exception):
     test cannot raise that one in its own process, so this stands in for it)."""
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_cancelling_the_flow_run_deletes_what_it_applied(
     cluster: FakeCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -142,6 +142,7 @@ def test_layer_activation_formula_matches_saved_tensors_exactly() -> None:
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("preset", "ac"), [("tiny", "none"), ("tiny", "selective"), ("tiny", "full"), ("small", "none")]
 )

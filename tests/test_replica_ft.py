@@ -362,6 +362,7 @@ def test_a_replica_groups_metrics_count_its_share_and_the_replicas_that_took_par
     assert both["tokens"] == whole["tokens"], "tokens: the data position, every global batch's rows"
 
 
+@pytest.mark.slow
 def test_the_lighthouse_pods_entry_point_serves_until_sigterm(tmp_path: Path) -> None:
     """``python -m trainer.runtime.replica_groups``, the Kubernetes Lighthouse pod's command: its status page
     (the pod's readiness probe) answers, and SIGTERM (the pod's deletion) ends it cleanly."""

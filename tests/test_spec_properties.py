@@ -107,6 +107,7 @@ def accept_or_name_the_field(spec: dict[str, Any], section: str) -> None:
         plan_for_job(parsed.job_config(data_url=None))
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None)
 @given(mutated_specs())
 @example((BASE | {"model": {"preset": "custom", "n_layers": 10**15, "dim": 64, "n_heads": 4}}, "model"))
@@ -190,6 +191,7 @@ def spec_accepts(spec: dict[str, Any]) -> bool:
 
 
 # No per-example deadline: a busy machine slows examples down, and speed is not what this checks.
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None)
 @given(mutated_specs())
 @example((BASE | {"train": {**BASE["train"], "steps": True}}, "train"))

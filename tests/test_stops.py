@@ -264,6 +264,7 @@ def test_train_help_gives_the_exit_code_of_a_refused_launch() -> None:
     assert "1 when it refuses to start" in done.stdout and "location is in use" in done.stdout, done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("problem", ["a file", "a read-only filesystem"])
 def test_an_unwritable_checkpoint_location_is_refused_before_training(tmp_path: Path, problem: str) -> None:
     if problem == "a file":

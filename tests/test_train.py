@@ -306,6 +306,7 @@ def test_context_parallel_run_resumes_across_kill_9(
 # ------------------------------------------------------------------------------- without torchrun
 
 
+@pytest.mark.slow
 def test_tessera_train_refuses_a_process_count_that_is_not_the_world_size(tmp_path: Path) -> None:
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump(SPEC))
@@ -424,6 +425,7 @@ def test_adamw_is_fused_where_every_parameter_is_on_cuda_and_torchs_default_else
     assert on_cpu.defaults["fused"] is None and on_cpu.defaults["foreach"] is None
 
 
+@pytest.mark.slow
 def test_the_entry_point_imports_neither_the_compiler_nor_pipelining_until_a_job_needs_them() -> None:
     # torch._dynamo (which torch.distributed.pipelining imports) is 225 of the entry point's 2,300
     # modules, imported before the first step by every run, though only pp and compile use it.
@@ -456,6 +458,7 @@ def test_watchdog_ends_a_hung_process_with_the_hang_code() -> None:
     assert "[rank 1] step 7 hung" in done.stderr
 
 
+@pytest.mark.slow
 def test_watchdog_allows_a_multiple_of_the_slowest_step_so_far() -> None:
     """A busier machine slows every step: the first step (a warm-up) gets its own allowance; step 2,
     past the 1 s floor but under ten times step 1, is no hang; step 3, which never ends, still is, after

@@ -67,6 +67,7 @@ def test_groups_stay_under_the_budget(checkpoint: Path) -> None:
     assert len(tensor_groups(metadata, GiB)) == 1
 
 
+@pytest.mark.slow
 def test_peak_memory_is_the_budget_not_the_checkpoint(checkpoint: Path) -> None:
     streamed, whole = load_growth(checkpoint, TENSOR_BYTES, CHECKPOINT_BYTES)
     assert streamed["ok"] and streamed["tensors"] == TENSORS, streamed
