@@ -27,8 +27,8 @@ from trainer.config import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
-    layout_errors,
 )
+from trainer.layout_checks import layout_errors
 from trainer.plan import (
     Plan,
     format_search,

@@ -163,7 +163,7 @@ def make_plan(
     profile: HardwareProfile | None = None,
     overlap: Overlap | None = None,
 ) -> Plan:
-    """Estimate one layout. Inputs must already satisfy ``trainer.config.layout_errors``.
+    """Estimate one layout. Inputs must already satisfy ``trainer.layout_checks.layout_errors``.
 
     ``profile`` holds the hardware figures (``tessera calibrate``'s, via ``profile.load_profile``);
     default: the chip catalog's. ``overlap`` says what the training loop overlaps; default: tessera's.

@@ -14,9 +14,9 @@ from trainer.config import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
-    layout_errors,
 )
 from trainer.divisors import divisors
+from trainer.layout_checks import layout_errors
 from trainer.plan.comms import fast_domain_chips
 from trainer.plan.hbm import STATE_BYTES, estimate_memory
 from trainer.plan.layout import Geometry
