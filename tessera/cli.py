@@ -498,7 +498,12 @@ def render(
 
     Example: tessera render deployments/specs/gpu-llama3-8b-h100.yaml --out build/manifests
     """
-    from deployments.kubernetes import ManifestError, render_manifests, validate_manifests, write_manifests
+    from deployments.kubernetes.render import (
+        ManifestError,
+        render_manifests,
+        validate_manifests,
+        write_manifests,
+    )
     from deployments.run import Run, new_run_id
     from trainer.rundir import RunDir
 

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch.distributed
 
-from deployments.kubernetes import render_manifests
+from deployments.kubernetes.render import render_manifests
 from deployments.run import Run
 from deployments.spec import SPEC_DIR, TrainingSpec, load_spec
 from tasks.attempts import record_failure, summary
