@@ -29,7 +29,7 @@ from tasks.goodput import record_launch
 from tasks.keys import artifact_key
 from tasks.live import CURVE_INTERVAL_S, Every, StepLines, step_line
 from tasks.provision import LaunchTarget
-from trainer.checkpoint.manifest import list_checkpoints
+from trainer.checkpoint.commit import list_checkpoints
 from trainer.failures import RETRYABLE, FailureKind, classify_exit, worker_exit_code
 from trainer.metrics import mirror_of, read_metrics
 from trainer.storage import write_atomic
