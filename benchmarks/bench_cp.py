@@ -33,8 +33,8 @@ import torch.distributed as dist
 from benchmarks.common import Goal, Headline, main
 from trainer.config import JobConfig
 from trainer.parallel import build_parallel_model
+from trainer.plan.hbm import estimate_memory
 from trainer.plan.layout import Geometry
-from trainer.plan.memory import estimate_memory
 
 BUDGET_BYTES = 256 * 2**20
 SEQ_LENGTHS = [2**k for k in range(10, 17)]

@@ -52,10 +52,10 @@ from benchmarks.mixture_reader import (
 )
 from tests.stores import BUCKET, FlakyProxy, free_port, wait_for_port
 from trainer.config import DataConfig, JobConfig, ModelConfig, TrainConfig
+from trainer.data.card import read_card
 from trainer.data.corpus import read_documents
 from trainer.data.fetch import FetchSettings
 from trainer.data.loader import build_loader
-from trainer.data.manifest import read_manifest
 from trainer.data.parts import prepare_part
 from trainer.data.prepare import assemble, part_jobs, plan_preparation, prepare_dataset, prepare_tokenizer
 from trainer.data.tokenizer import parse_tokenizer, read_tokenizer_bytes
@@ -229,7 +229,7 @@ def bench_loader(bucket: str, model: ModelConfig) -> dict[str, float]:
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     loader.close()
-    manifest = read_manifest(data_url)
+    manifest = read_card(data_url)
     largest = max(manifest.split_shards("train"), key=lambda s: s.bytes)
     bound = (FetchSettings.from_env().prefetch + 1) * (2 * largest.bytes + largest.tokens * 2)
     return {

@@ -50,7 +50,7 @@ def tiny_spec(root: Path, name: str) -> TrainingSpec:
 def direct(spec: TrainingSpec) -> float:
     """The pipeline's library calls in sequence, without Prefect."""
     from deployments.run import Run
-    from trainer.checkpoint.manifest import list_checkpoints
+    from trainer.checkpoint.commit import list_checkpoints
     from trainer.checkpoint.validate import validate_checkpoint
     from trainer.data.loader import load_tokenizer, validation_batches
     from trainer.data.prepare import prepare_dataset

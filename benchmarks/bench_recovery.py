@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import Goal, Headline, main
 from trainer.checkpoint import CheckpointManager, ModelOptimizerState
-from trainer.checkpoint.memory import HostMemoryTier
+from trainer.checkpoint.ram_tier import HostMemoryTier
 from trainer.config import CheckpointConfig, ModelConfig
 from trainer.model import Transformer
 

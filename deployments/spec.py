@@ -29,9 +29,9 @@ from trainer.config import (
     ParallelConfig,
     Strict,
     TrainConfig,
-    layout_errors,
 )
 from trainer.elastic import elastic_errors
+from trainer.layout_checks import layout_errors
 from trainer.plan import fit_error
 from trainer.replicas import replica_ft_errors
 

@@ -29,7 +29,7 @@ from tasks.provision import provisioned
 from tasks.report import report_task
 from tasks.run import open_run_task
 from tasks.train import retry_on_node_failure, train_task
-from trainer.checkpoint.manifest import Manifest, list_checkpoints
+from trainer.checkpoint.commit import CommitRecord, list_checkpoints
 from trainer.checkpoint.pins import pin, unpin
 from trainer.report.compare import CONTINUED, FLOW_RUN_PREFIX
 
@@ -59,7 +59,7 @@ def in_flight(evaluation: Evaluation) -> bool:
     return not state.is_final() and state.name != "NotReady"
 
 
-def waiting(run: Run, skip: set[int]) -> list[Manifest]:
+def waiting(run: Run, skip: set[int]) -> list[CommitRecord]:
     """The run's committed checkpoints not in ``skip``, oldest first."""
     return [m for m in list_checkpoints(run.checkpoint_url) if m.step not in skip and m.good]
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from prefect.artifacts import create_markdown_artifact
 
-from trainer.checkpoint.manifest import list_checkpoints
+from trainer.checkpoint.commit import list_checkpoints
 from trainer.failures import FailureKind
 from trainer.metrics import read_metrics
 from trainer.rundir import RunDir

@@ -18,9 +18,9 @@ from typing import Literal
 
 from prefect import get_run_logger, task
 
-from deployments.kubernetes import (
+from deployments.kubernetes.client import delete_manifests
+from deployments.kubernetes.render import (
     Manifest,
-    delete_manifests,
     render_manifests,
     run_url,
     validate_manifests,

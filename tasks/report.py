@@ -13,7 +13,7 @@ from tasks.compare import publish_comparison
 from tasks.goodput import publish_goodput
 from tasks.keys import artifact_key
 from tasks.plan import plan_rows, publish_plan
-from trainer.checkpoint.manifest import list_checkpoints
+from trainer.checkpoint.commit import list_checkpoints
 from trainer.metrics import JsonLines, load_metrics
 from trainer.plan.measured import markdown_table
 

@@ -21,7 +21,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.states import Completed
 
-from deployments import kubernetes
+from deployments.kubernetes import client
 from deployments.run import Run
 from tasks.attempts import publish, record_failure, summary
 from tasks.checkpoints import publish_loss_curve
@@ -29,7 +29,7 @@ from tasks.goodput import record_launch
 from tasks.keys import artifact_key
 from tasks.live import CURVE_INTERVAL_S, Every, StepLines, step_line
 from tasks.provision import LaunchTarget
-from trainer.checkpoint.manifest import list_checkpoints
+from trainer.checkpoint.commit import list_checkpoints
 from trainer.failures import RETRYABLE, FailureKind, classify_exit, worker_exit_code
 from trainer.metrics import mirror_of, read_metrics
 from trainer.storage import write_atomic
@@ -134,9 +134,9 @@ def run_kubernetes(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
     tail on failure. Gang restarts after a lost node happen inside the JobSet and are only logged."""
     logger = get_run_logger()
     jobset = target.manifests[-1]
-    kubernetes.apply_manifests(target.manifests)
+    client.apply_manifests(target.manifests)
     restarts = 0
-    while (status := kubernetes.jobset_status(jobset)).state == "running":
+    while (status := client.jobset_status(jobset)).state == "running":
         if status.restarts > restarts:
             restarts = status.restarts
             logger.warning("JobSet %s restarted its pods (%d so far)", jobset["metadata"]["name"], restarts)

@@ -228,7 +228,8 @@ def train(
         int | None, typer.Option(help="Processes on this host (default: the spec's world size).")
     ] = None,
     data: Annotated[
-        str | None, typer.Option(help="Prepared dataset manifest URL (default: synthetic tokens).")
+        str | None,
+        typer.Option(help="Prepared dataset's card URL (its manifest.json; default: synthetic tokens)."),
     ] = None,
 ) -> None:
     """Train SPEC under torchrun on this host; exits with the trainer's code (0 ok, 3 user error in
@@ -239,7 +240,7 @@ def train(
     """
     from deployments.run import Run
     from tessera.progress import StepProgress
-    from trainer.data.loader import data_manifests
+    from trainer.data.loader import data_cards
     from trainer.rundir import RunDir
     from trainer.runtime.launch import Stopped, stop_on_signals
 
@@ -251,7 +252,7 @@ def train(
             "parallel/cluster in the spec"
         )
     if data is not None:
-        data_manifests(data)  # a missing dataset: one line here, not a failure in every rank after launch
+        data_cards(data)  # a missing dataset: one line here, not a failure in every rank after launch
     run = Run.open(loaded, RunDir(run_dir), data_url=data)
     try:
         with stop_on_signals(), run.claim(), StepProgress(lambda: run.dir.metrics, loaded.train.steps):
@@ -490,7 +491,7 @@ def render(
     data_url: Annotated[
         str | None,
         typer.Option(
-            help="Prepared dataset manifest URL for the job (the pipeline fills it after prepare-data)."
+            help="Prepared dataset's card URL (its manifest.json) for the job (the pipeline fills it after prepare-data)."
         ),
     ] = None,
 ) -> None:
@@ -498,7 +499,12 @@ def render(
 
     Example: tessera render deployments/specs/gpu-llama3-8b-h100.yaml --out build/manifests
     """
-    from deployments.kubernetes import ManifestError, render_manifests, validate_manifests, write_manifests
+    from deployments.kubernetes.render import (
+        ManifestError,
+        render_manifests,
+        validate_manifests,
+        write_manifests,
+    )
     from deployments.run import Run, new_run_id
     from trainer.rundir import RunDir
 

@@ -2,7 +2,7 @@
 
 No Kubernetes API server can be installed here (tests/PITFALLS: no kube-apiserver, no Docker), so
 this is an HTTP fake, not a cluster. It speaks just enough of the REST API for what
-``deployments/kubernetes.py`` calls through the official ``kubernetes`` Python client, and it says so:
+``deployments/kubernetes/client.py`` calls through the official ``kubernetes`` Python client, and it says so:
 
 - namespaced create / read / list (label selectors of ``k=v`` pairs) / delete for any resource path,
   ``/api/v1/...`` and ``/apis/<group>/<version>/...``, with uids, 404 and 409 answers as Kubernetes

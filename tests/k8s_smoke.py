@@ -19,14 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deployments.kubernetes import (
-    api_client,
-    apply_manifests,
-    delete_manifests,
-    jobset_status,
-    render_manifests,
-    validate_manifests,
-)
+from deployments.kubernetes.client import api_client, apply_manifests, delete_manifests, jobset_status
+from deployments.kubernetes.render import render_manifests, validate_manifests
 from deployments.run import Run
 from deployments.spec import load_spec
 from trainer.rundir import RunDir

@@ -25,7 +25,7 @@ from trainer.checkpoint import (
     CheckpointMismatch,
     CheckpointStoreError,
     list_checkpoints,
-    read_manifest,
+    read_commit,
 )
 from trainer.checkpoint.manager import steps_to_delete
 from trainer.checkpoint.store import WRITER_THREADS
@@ -112,14 +112,14 @@ def test_4_rank_checkpoint_validates_in_one_process(saved: Path, tmp_path: Path)
     shutil.copytree(saved / "sync" / "step-000006", tmp_path / "step-000006")
     result = validate_checkpoint(str(tmp_path / "step-000006"), JOB, world_size=1)
     assert (result.status, result.saved_world_size, result.loaded_world_size) == ("validated", 4, 1)
-    assert read_manifest(str(tmp_path / "step-000006")).status == "validated"
+    assert read_commit(str(tmp_path / "step-000006")).status == "validated"
 
 
 @pytest.mark.dist
 def test_partial_directory_is_never_resumed(saved: Path, tmp_path: Path) -> None:
     url = tmp_path / "ckpt"
     shutil.copytree(saved / "async", url)
-    # What a save killed before its commit leaves: every shard and .metadata, but no manifest.
+    # What a save killed before its commit leaves: every shard and .metadata, but no commit record.
     shutil.copytree(url / "step-000008", url / "step-000010", ignore=shutil.ignore_patterns("tessera.json"))
     manager = CheckpointManager(str(url), CheckpointConfig(), 2, FINGERPRINT, 1, 0, {})
     assert manager.latest().step == 8

@@ -61,7 +61,7 @@ def test_missing_data_is_one_line_without_traceback(tmp_path: Path) -> None:
     assert (
         train.returncode == 1
         and train.stderr
-        == f"error: no dataset manifest at {gone!r}; run data preparation first (or fix data_url)\n"
+        == f"error: no dataset card at {gone!r}; run data preparation first (or fix data_url)\n"
     )
     env = {
         **os.environ,

@@ -17,7 +17,7 @@ from trainer.data import (
     build_loader,
     load_tokenizer,
     prepare_dataset,
-    read_manifest,
+    read_card,
     validation_batches,
 )
 from trainer.data.corpus import generated_documents
@@ -38,10 +38,10 @@ def generated(tmp_path: Path, **overrides: object) -> DataConfig:
     )
 
 
-def job(manifest_url: str | None, batch: int = 8, workers: int = 0, seed: int = 3) -> JobConfig:
+def job(card_url: str | None, batch: int = 8, workers: int = 0, seed: int = 3) -> JobConfig:
     return JobConfig(
         seed=seed,
-        data_url=manifest_url,
+        data_url=card_url,
         loader_workers=workers,
         model=ModelConfig(preset="tiny", vocab_size=VOCAB),
         train=TrainConfig(seq_len=SEQ, global_batch_size=batch, micro_batch_size=1),
@@ -53,35 +53,32 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
     return prepare_dataset(generated(tmp_path_factory.mktemp("prep")), VOCAB, SEQ, seed=0)
 
 
-def stored_rows(manifest_url: str, split: str = "train") -> np.ndarray:
-    manifest = read_manifest(manifest_url)
+def stored_rows(card_url: str, split: str = "train") -> np.ndarray:
+    card = read_card(card_url)
     return np.concatenate(
-        [
-            fetch_shard(manifest.url_of(s.name), s, manifest.dtype, manifest.sample_len)
-            for s in manifest.split_shards(split)
-        ]
+        [fetch_shard(card.url_of(s.name), s, card.dtype, card.sample_len) for s in card.split_shards(split)]
     )
 
 
 def test_prepare_writes_consistent_shards_and_manifest(dataset: str) -> None:
-    manifest = read_manifest(dataset)
+    card = read_card(dataset)
     tokenizer = load_tokenizer(dataset)
-    assert manifest.dtype == "uint16" and manifest.sample_len == SEQ + 1
-    assert tokenizer.get_vocab_size() == manifest.tokenizer_vocab_size <= VOCAB
-    assert manifest.totals["train"].shards > 1 and manifest.totals["val"].samples > 0
-    for split, totals in manifest.totals.items():
-        shards = manifest.split_shards(split)
+    assert card.dtype == "uint16" and card.sample_len == SEQ + 1
+    assert tokenizer.get_vocab_size() == card.tokenizer_vocab_size <= VOCAB
+    assert card.totals["train"].shards > 1 and card.totals["val"].samples > 0
+    for split, totals in card.totals.items():
+        shards = card.split_shards(split)
         assert totals.samples == sum(s.samples for s in shards)
-        assert totals.tokens == totals.samples * manifest.sample_len
-        assert 0 <= totals.tokens_dropped < manifest.sample_len
+        assert totals.tokens == totals.samples * card.sample_len
+        assert 0 <= totals.tokens_dropped < card.sample_len
         assert all(s.samples == 40 for s in shards[:-1])
     # Every corpus token (plus one EOS per document) is in a sample or counted as dropped.
     docs = generated_documents(120)
     corpus_tokens = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(docs))
-    assert corpus_tokens == sum(t.tokens + t.tokens_dropped for t in manifest.totals.values())
+    assert corpus_tokens == sum(t.tokens + t.tokens_dropped for t in card.totals.values())
     rows = stored_rows(dataset)
-    assert rows.max() < manifest.tokenizer_vocab_size
-    assert (rows == manifest.eos_id).sum() > 0  # documents are separated, not padded
+    assert rows.max() < card.tokenizer_vocab_size
+    assert (rows == card.eos_id).sum() > 0  # documents are separated, not padded
     assert "." in tokenizer.decode(rows[0].tolist())
 
 
@@ -101,8 +98,8 @@ def test_rerun_reuses_and_changed_inputs_make_a_new_version(tmp_path: Path) -> N
 def test_stdlib_corpus_small(tmp_path: Path) -> None:
     cfg = DataConfig(source="stdlib", output_url=str(tmp_path), max_documents=8, validation_fraction=0.25)
     url = prepare_dataset(cfg, 1024, 64, seed=0)
-    manifest = read_manifest(url)
-    assert manifest.totals["train"].documents == 6 and manifest.totals["val"].documents == 2
+    card = read_card(url)
+    assert card.totals["train"].documents == 6 and card.totals["val"].documents == 2
     text = load_tokenizer(url).decode(stored_rows(url)[:50].ravel().tolist())
     assert "import" in text and "def " in text
 
@@ -132,7 +129,7 @@ def test_validation_split_is_disjoint_by_document(tmp_path: Path) -> None:
     train_docs, val_docs = documents(stored_rows(url)), documents(stored_rows(url, "val"))
     assert len(val_docs) >= 10 and len(train_docs) >= 45
     assert not train_docs & val_docs
-    assert read_manifest(url).totals["val"].documents == 12
+    assert read_card(url).totals["val"].documents == 12
     # A different seed holds out different documents.
     other = prepare_dataset(cfg, 300, 16, seed=6)
     assert documents(stored_rows(other, "val")) != val_docs
@@ -143,22 +140,22 @@ def take(loader: StepLoader, steps: int) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def test_loader_order_is_a_seeded_permutation_per_epoch(dataset: str) -> None:
-    manifest = read_manifest(dataset)
-    epoch_len = manifest.totals["train"].samples
+    card = read_card(dataset)
+    epoch_len = card.totals["train"].samples
     stored = stored_rows(dataset)
-    samples = ShardedSamples(manifest, seed=3)
+    samples = ShardedSamples(card, seed=3)
     epoch0, epoch1 = samples.rows(0, epoch_len), samples.rows(epoch_len, epoch_len)
     key = lambda rows: sorted(map(bytes, rows.astype(np.int64)))  # noqa: E731
     assert key(epoch0) == key(epoch1) == key(stored)
     assert not np.array_equal(epoch0, epoch1) and not np.array_equal(epoch0, stored.astype(np.int64))
-    np.testing.assert_array_equal(ShardedSamples(manifest, seed=3).rows(5, 7), epoch0[5:12])
-    assert not np.array_equal(ShardedSamples(manifest, seed=4).rows(0, 8), epoch0[:8])
+    np.testing.assert_array_equal(ShardedSamples(card, seed=3).rows(5, 7), epoch0[5:12])
+    assert not np.array_equal(ShardedSamples(card, seed=4).rows(0, 8), epoch0[:8])
 
 
 @pytest.mark.parametrize("source", ["dataset", "synthetic"])
 def test_loader_resumes_exactly_across_dp_sizes(dataset: str, source: str) -> None:
     url = dataset if source == "dataset" else None
-    epoch_len = read_manifest(dataset).totals["train"].samples
+    epoch_len = read_card(dataset).totals["train"].samples
     steps = epoch_len // 8 + 4  # crosses an epoch boundary
     reference = take(build_loader(job(url), 0, 1), steps)
     inputs, targets = reference[0]
@@ -200,7 +197,7 @@ def test_evaluation_draws_a_seeded_sample_spread_over_the_validation_shards(tmp_
         validation_fraction=0.3,
     )
     url = prepare_dataset(cfg, VOCAB, SEQ, seed=0)
-    val = read_manifest(url).totals["val"]
+    val = read_card(url).totals["val"]
     rows = stored_rows(url, "val")
     sample = validation_sample(url, 16, seed=0)
     assert sample.rows.shape == (16, SEQ + 1) and sample.tokens == 16 * SEQ
@@ -231,17 +228,17 @@ def test_validation_batches_and_loader_checks(dataset: str) -> None:
 
 def test_corrupt_or_missing_shard_is_named(tmp_path: Path) -> None:
     url = prepare_dataset(generated(tmp_path), VOCAB, SEQ, seed=0)
-    manifest = read_manifest(url)
-    victim = Path(manifest.url_of(manifest.split_shards("train")[0].name))
+    card = read_card(url)
+    victim = Path(card.url_of(card.split_shards("train")[0].name))
     data = bytearray(victim.read_bytes())
     data[1000] ^= 0xFF
     victim.write_bytes(bytes(data))
-    loader = build_loader(job(url, batch=manifest.totals["train"].samples), 0, 1)
+    loader = build_loader(job(url, batch=card.totals["train"].samples), 0, 1)
     with pytest.raises(DataError, match=rf"{victim.name} is corrupt"):
         next(loader)
     victim.unlink()
-    loader = build_loader(job(url, batch=manifest.totals["train"].samples), 0, 1)
-    with pytest.raises(DataError, match=rf"{victim.name} listed in the manifest is missing"):
+    loader = build_loader(job(url, batch=card.totals["train"].samples), 0, 1)
+    with pytest.raises(DataError, match=rf"{victim.name} listed in the card is missing"):
         next(loader)
 
 
@@ -282,11 +279,11 @@ def test_missing_paths_and_unwritable_output(tmp_path: Path) -> None:
 
 
 def test_given_tokenizer_and_multiprocess_map_give_the_same_dataset(dataset: str, tmp_path: Path) -> None:
-    manifest = read_manifest(dataset)
-    cfg = generated(tmp_path, tokenizer=manifest.url_of(manifest.tokenizer), num_proc=2)
+    card = read_card(dataset)
+    cfg = generated(tmp_path, tokenizer=card.url_of(card.tokenizer), num_proc=2)
     url = prepare_dataset(cfg, VOCAB, SEQ, seed=0)
-    again = read_manifest(url)
-    assert again.tokenizer_sha256 == manifest.tokenizer_sha256
-    assert [s.sha256 for s in again.shards] == [s.sha256 for s in manifest.shards]
+    again = read_card(url)
+    assert again.tokenizer_sha256 == card.tokenizer_sha256
+    assert [s.sha256 for s in again.shards] == [s.sha256 for s in card.shards]
     with pytest.raises(DataError, match=r"has \d+ tokens but model.vocab_size=300"):
         prepare_dataset(cfg, 300, SEQ, seed=0)

@@ -12,7 +12,7 @@ import torch
 from benchmarks.bench_data import LatencyProxy
 from tests.stores import _clear_fsspec_cache
 from trainer.config import DataConfig, JobConfig, ModelConfig, TrainConfig
-from trainer.data import build_loader, prepare_dataset, read_manifest
+from trainer.data import build_loader, prepare_dataset, read_card
 from trainer.storage import remove
 
 pytestmark = pytest.mark.store
@@ -57,7 +57,7 @@ def test_prefetch_retry_and_cache_under_latency(
     local = prepare_dataset(cfg.model_copy(update={"output_url": str(tmp_path / "local")}), VOCAB, SEQ, 0)
     remote = prepare_dataset(cfg.model_copy(update={"output_url": f"{s3_bucket}/fetch"}), VOCAB, SEQ, 0)
     want = read(local)
-    shard = max(s.bytes for s in read_manifest(local).shards)
+    shard = max(s.bytes for s in read_card(local).shards)
     cache = tmp_path / "cache"
     monkeypatch.setenv("TESSERA_DATA_PREFETCH", "3")
     monkeypatch.setenv("TESSERA_DATA_CACHE_DIR", str(cache))

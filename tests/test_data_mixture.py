@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from benchmarks.mixture_reader import kill_and_resume, mixture_spec
 from trainer.config import DataConfig, JobConfig, MixtureStage, ModelConfig, TrainConfig
 from trainer.data import build_loader, load_tokenizer, prepare_dataset, validation_batches
-from trainer.data.loader import StepLoader, data_manifests
+from trainer.data.loader import StepLoader, data_cards
 
 VOCAB, SEQ, BATCH = 512, 32, 8
 WEIGHTS = (0.5, 0.3, 0.2)
@@ -52,9 +52,9 @@ def take(loader: StepLoader, steps: int) -> list[torch.Tensor]:
 
 
 def test_prepares_one_dataset_per_source_with_one_tokenizer(mixture_url: str) -> None:
-    manifests = data_manifests(mixture_url)
-    assert len(manifests) == 3 and len({m.tokenizer_sha256 for m in manifests}) == 1
-    assert all(m.totals["train"].samples > 0 for m in manifests)
+    cards = data_cards(mixture_url)
+    assert len(cards) == 3 and len({m.tokenizer_sha256 for m in cards}) == 1
+    assert all(m.totals["train"].samples > 0 for m in cards)
     assert load_tokenizer(mixture_url).get_vocab_size() <= VOCAB
     # Validation takes each source's batches in turn.
     assert len(list(validation_batches(mixture_url, 4, 3))) == 3

@@ -11,7 +11,7 @@ from prefect import flow
 
 from tasks.data import prepare_dataset_task
 from trainer.config import DataConfig
-from trainer.data import prepare_dataset, read_manifest
+from trainer.data import prepare_dataset, read_card
 from trainer.data.corpus import GENERATED_DOCUMENT_BYTES, PART_BYTES
 
 VOCAB, SEQ = 512, 32
@@ -38,7 +38,7 @@ def test_dask_workers_write_the_same_bytes_as_one_process(tmp_path: Path) -> Non
     cfg = DataConfig(source="generated", max_documents=documents, samples_per_shard=64)
     serial = prepare_dataset(cfg.model_copy(update={"output_url": str(tmp_path / "one")}), VOCAB, SEQ, 0)
     fanned = prepare_flow(cfg.model_copy(update={"output_url": str(tmp_path / "dask"), "num_proc": 2}))
-    assert len(read_manifest(fanned).parts) == 3
+    assert len(read_card(fanned).parts) == 3
     assert Path(fanned).relative_to(tmp_path / "dask") == Path(serial).relative_to(tmp_path / "one")
     assert tree(tmp_path / "dask") == tree(tmp_path / "one")
 
@@ -64,11 +64,11 @@ def test_added_files_prepare_only_the_new_part(tmp_path: Path) -> None:
         samples_per_shard=16,
         tokenizer_sample_mb=0.001,
     )
-    first = read_manifest(prepare_dataset(cfg, VOCAB, SEQ, 0))
+    first = read_card(prepare_dataset(cfg, VOCAB, SEQ, 0))
     parts = tmp_path / "out" / "parts"
     stamps = {p: p.stat().st_mtime_ns for p in parts.rglob("*")}
     corpus_file(tmp_path / "d.jsonl", "d")
-    second = read_manifest(prepare_dataset(cfg, VOCAB, SEQ, 0))
+    second = read_card(prepare_dataset(cfg, VOCAB, SEQ, 0))
     assert second.fingerprint != first.fingerprint
     assert second.tokenizer_sha256 == first.tokenizer_sha256
     assert second.parts[:3] == first.parts and len(second.parts) == 4
@@ -93,13 +93,13 @@ def test_dedup_and_length_filter_are_recorded(tmp_path: Path) -> None:
         min_chars=20,
         max_chars=2000,
     )
-    manifest = read_manifest(prepare_dataset(cfg, VOCAB, SEQ, 0))
-    assert manifest.filters is not None
-    assert (manifest.filters.duplicates, manifest.filters.too_short, manifest.filters.too_long) == (2, 1, 1)
-    assert sum(t.documents for t in manifest.totals.values()) == 61
-    plain = read_manifest(
+    card = read_card(prepare_dataset(cfg, VOCAB, SEQ, 0))
+    assert card.filters is not None
+    assert (card.filters.duplicates, card.filters.too_short, card.filters.too_long) == (2, 1, 1)
+    assert sum(t.documents for t in card.totals.values()) == 61
+    plain = read_card(
         prepare_dataset(
             cfg.model_copy(update={"dedup": False, "min_chars": 0, "max_chars": None}), VOCAB, SEQ, 0
         )
     )
-    assert plain.fingerprint != manifest.fingerprint and sum(t.documents for t in plain.totals.values()) == 65
+    assert plain.fingerprint != card.fingerprint and sum(t.documents for t in plain.totals.values()) == 65

@@ -10,7 +10,7 @@ import torch
 
 from tests.stores import FlakyStore
 from trainer.config import DataConfig, JobConfig, ModelConfig, TrainConfig
-from trainer.data import build_loader, load_tokenizer, prepare_dataset, read_manifest, validation_batches
+from trainer.data import build_loader, load_tokenizer, prepare_dataset, read_card, validation_batches
 
 pytestmark = pytest.mark.store
 
@@ -20,7 +20,7 @@ VOCAB, SEQ = 512, 32
 def round_trip(cfg: DataConfig) -> list[torch.Tensor]:
     """Prepare, then read back the first steps of the train order and one val batch."""
     url = prepare_dataset(cfg, VOCAB, SEQ, seed=0)
-    assert url.startswith(cfg.output_url) and read_manifest(url).totals["train"].shards > 1
+    assert url.startswith(cfg.output_url) and read_card(url).totals["train"].shards > 1
     job = JobConfig(
         data_url=url,
         loader_workers=1,
@@ -62,8 +62,8 @@ def test_s3_corpus_and_output(s3_bucket: str, local_reference: list[torch.Tensor
             json.dumps({"text": f"document {i}: " + "lorem ipsum dolor " * 20}) + "\n" for i in range(40)
         )
     cfg = DataConfig(source="files", paths=[corpus], output_url=f"{s3_bucket}/from-s3", samples_per_shard=30)
-    manifest = read_manifest(prepare_dataset(cfg, VOCAB, SEQ, seed=0))
-    assert manifest.totals["train"].documents + manifest.totals["val"].documents == 40
+    card = read_card(prepare_dataset(cfg, VOCAB, SEQ, seed=0))
+    assert card.totals["train"].documents + card.totals["val"].documents == 40
 
 
 def test_flaky_store_is_retried(flaky_s3_bucket: FlakyStore, local_reference: list[torch.Tensor]) -> None:

@@ -44,8 +44,8 @@ from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, server_env, start_process, stop_process
 from tests.test_spec_properties import mutated_specs, server_accepts
-from trainer.checkpoint.manifest import list_checkpoints
-from trainer.data.manifest import read_manifest
+from trainer.checkpoint.commit import list_checkpoints
+from trainer.data.card import read_card
 from trainer.metrics import read_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.dist]
@@ -247,7 +247,7 @@ def test_pipeline_deployment_run_trains_validates_and_evaluates(
         time.sleep(2)
     assert run.state.is_completed(), run.state.message
 
-    manifest = read_manifest(str(next((tmp_path / "data").glob("*/manifest.json"))))
+    manifest = read_card(str(next((tmp_path / "data").glob("*/manifest.json"))))
     assert manifest.totals["train"].shards >= 1 and manifest.totals["val"].samples > 0
     run_dir = deployed[1] / f"e2e-tiny-{run.id.hex[-8:]}"
     assert [(m.step, m.status) for m in list_checkpoints(str(run_dir / "checkpoints"))] == [

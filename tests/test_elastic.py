@@ -25,7 +25,7 @@ from deployments.spec import TrainingSpec
 from tasks.provision import free_port
 from tests.pipeline_specs import MICRO_MODEL
 from trainer.checkpoint import list_checkpoints
-from trainer.checkpoint.memory import memory_directory
+from trainer.checkpoint.ram_tier import memory_directory
 from trainer.checkpoint.resize import discard_other_sizes
 from trainer.config import JobConfig
 from trainer.elastic import describe_resize, elastic_errors, fit_to_world, micro_batches

@@ -21,7 +21,7 @@ import pytest
 
 from deployments.eval_job import EvaluationJobFailed, run_eval_job
 from deployments.eval_placement import eval_placement
-from deployments.kubernetes import (
+from deployments.kubernetes.render import (
     CHIP_RESOURCE,
     eval_record_url,
     render_eval_manifests,

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch.distributed
 
-from deployments.kubernetes import render_manifests
+from deployments.kubernetes.render import render_manifests
 from deployments.run import Run
 from deployments.spec import SPEC_DIR, TrainingSpec, load_spec
 from tasks.attempts import record_failure, summary
@@ -411,7 +411,7 @@ def test_rendered_manifests_and_specs_carry_no_credentials(
 def test_unreachable_checkpoint_store_is_one_retryable_line_naming_the_url() -> None:
     """An s3:// URL with no server behind it: not a raw botocore error, and retried as infrastructure."""
     code = (
-        "from trainer.checkpoint.manifest import list_checkpoints\n"
+        "from trainer.checkpoint.commit import list_checkpoints\n"
         "from trainer.failures import is_infra_error\n"
         "try:\n    list_checkpoints('s3://bucket/ckpt')\n"
         "except Exception as error:\n    print(type(error).__name__, is_infra_error(error), error)\n"

@@ -6,7 +6,7 @@ steps from the same init on the same batches as bf16, through ``parallelize`` (f
 parameters). Tolerance: every step's loss within FP8_LOSS_RTOL of bf16's. fp8 (e4m3: 3 mantissa bits,
 relative rounding 2^-4) against bf16 (7 bits) perturbs each matmul by a few percent of its smallest
 entries, which averages out in the loss: measured differences are at most 0.13% (tensorwise) and 0.11%
-(rowwise) on this model (see the README's fp8 section); 1% leaves room for other seeds without hiding a broken scale (a wrong scale
+(rowwise) on this model (see docs/parallelism.md, fp8 training); 1% leaves room for other seeds without hiding a broken scale (a wrong scale
 moves the loss by tens of percent, or to NaN).
 """
 

@@ -35,7 +35,7 @@ from tasks.keys import ArtifactKind, artifact_key
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import run_of, tiny_spec
 from tests.sockets import ListenerSampler
-from trainer.checkpoint.manifest import Manifest, list_checkpoints, step_dir_name, write_manifest
+from trainer.checkpoint.commit import CommitRecord, list_checkpoints, step_dir_name, write_commit
 from trainer.checkpoint.pins import pin, pinned_steps
 from trainer.metrics import read_metrics
 
@@ -366,8 +366,8 @@ def test_evaluations_are_bounded_per_run_and_the_newest_checkpoint_goes_first(
     """Checkpoints committed while eval.max_concurrent validations run wait; a free slot takes the newest."""
     run = Run.open(tiny_spec(tmp_path, "bounded", eval={"max_concurrent": max_concurrent}))
     for step in (2, 4, 6):
-        manifest = Manifest(step=step, tokens=0, model_fingerprint="-", world_size=2, layout={}, files={})
-        write_manifest(f"{run.checkpoint_url}/{step_dir_name(step)}", manifest)
+        manifest = CommitRecord(step=step, tokens=0, model_fingerprint="-", world_size=2, layout={}, files={})
+        write_commit(f"{run.checkpoint_url}/{step_dir_name(step)}", manifest)
     release = tmp_path / "release"
 
     @flow

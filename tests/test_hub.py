@@ -28,11 +28,11 @@ USER_EXPORTS = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 PREPARE_THEN_ASK_THE_HUB = """
 import json, sys
 from trainer.config import DataConfig
-from trainer.data import prepare_dataset, read_manifest
+from trainer.data import prepare_dataset, read_card
 
 corpus, output = sys.argv[1:]
 cfg = DataConfig(source="files", paths=[corpus], output_url=output, samples_per_shard=30)
-totals = read_manifest(prepare_dataset(cfg, 512, 32, seed=0)).totals
+totals = read_card(prepare_dataset(cfg, 512, 32, seed=0)).totals
 outcome = {"documents": totals["train"].documents + totals["val"].documents}
 
 import datasets, huggingface_hub

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments.kubernetes import (
+from deployments.kubernetes.render import (
     CHIP_RESOURCE,
     EXCLUSIVE_TOPOLOGY,
     QUEUE_LABEL,

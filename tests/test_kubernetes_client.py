@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from deployments.kubernetes import apply_manifests, delete_manifests, jobset_status, render_manifests
+from deployments.kubernetes.client import apply_manifests, delete_manifests, jobset_status
+from deployments.kubernetes.render import render_manifests
 from deployments.run import Run
 from deployments.spec import SPEC_DIR, load_spec
 from tasks.provision import provisioned

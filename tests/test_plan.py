@@ -27,8 +27,8 @@ from trainer.config import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
-    layout_errors,
 )
+from trainer.layout_checks import layout_errors
 from trainer.plan import (
     Plan,
     format_search,
@@ -39,8 +39,8 @@ from trainer.plan import (
 )
 from trainer.plan.checkpointing import daly_interval_seconds, mtbf_seconds
 from trainer.plan.compute import fsdp_copy_bytes
+from trainer.plan.hbm import estimate_memory, layer_activation_bytes, model_state_bytes
 from trainer.plan.layout import Geometry
-from trainer.plan.memory import estimate_memory, layer_activation_bytes, model_state_bytes
 from trainer.plan.params import count_params
 
 REPO = Path(__file__).resolve().parents[1]

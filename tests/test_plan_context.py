@@ -10,8 +10,8 @@ import pytest
 
 from trainer.config import CheckpointConfig, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.plan import make_plan
+from trainer.plan.hbm import activation_bytes
 from trainer.plan.layout import Geometry
-from trainer.plan.memory import activation_bytes
 
 LLAMA3_8B = ModelConfig(preset="llama3-8b")
 LONG = TrainConfig(seq_len=262_144, global_batch_size=8, micro_batch_size=1)

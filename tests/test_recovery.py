@@ -36,7 +36,7 @@ from deployments.spec import TrainingSpec
 from tests.fault_report import FaultRow, record
 from tests.test_faults import FINISH, Agent, curve, last_step, wait_for_line
 from tests.test_faults import SPEC as FAULTS_SPEC
-from trainer.checkpoint.memory import Inventory, memory_directory, newest_common_step
+from trainer.checkpoint.ram_tier import Inventory, memory_directory, newest_common_step
 from trainer.config import CheckpointConfig, HardwareConfig, JobConfig, ModelConfig
 from trainer.job import resolve_job
 from trainer.plan import plan_for_job

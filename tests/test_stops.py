@@ -209,7 +209,7 @@ def tessera_train_group(spec_file: Path, run_dir: Path, env: dict[str, str]) -> 
 
 
 def commit_times(run_dir: Path) -> dict[int, float]:
-    """When each good checkpoint was committed (its manifest's mtime), by step."""
+    """When each good checkpoint was committed (its commit record's mtime), by step."""
     return {
         m.step: (run_dir / "checkpoints" / f"step-{m.step:06d}" / "tessera.json").stat().st_mtime
         for m in list_checkpoints(str(run_dir / "checkpoints"))

@@ -27,8 +27,8 @@ from tasks.provision import provision_task, teardown_task
 from tasks.report import report_task
 from tasks.train import TrainingFailed, already_complete, retry_on_node_failure
 from tests.pipeline_specs import tiny_spec
-from trainer.checkpoint.manifest import Manifest, step_dir_name, write_manifest
-from trainer.data.manifest import read_manifest
+from trainer.checkpoint.commit import CommitRecord, step_dir_name, write_commit
+from trainer.data.card import read_card
 from trainer.failures import EXIT_PREEMPTED, classify_exit
 from trainer.plan.checkpointing import daly_interval_seconds
 from trainer.rundir import RunDir
@@ -69,10 +69,10 @@ def test_data_preparation_finds_its_dataset_and_never_returns_a_missing_one(
     assert prepare_dataset_task(*args) == url and manifest.stat().st_mtime_ns == written  # reused
 
     shutil.rmtree(first_checkout / "data")  # make clean
-    assert prepare_dataset_task(*args) == url and read_manifest(str(manifest)).totals["train"].samples > 0
+    assert prepare_dataset_task(*args) == url and read_card(str(manifest)).totals["train"].samples > 0
 
     monkeypatch.chdir(second_checkout)
-    assert prepare_dataset_task(*args) == url and read_manifest(url).totals["train"].samples > 0
+    assert prepare_dataset_task(*args) == url and read_card(url).totals["train"].samples > 0
 
 
 def test_plan_publishes_a_table_and_warns_when_oversubscribed(
@@ -188,8 +188,8 @@ def test_a_run_already_trained_to_its_steps_launches_nothing_and_says_so(tmp_pat
     run = Run.open(tiny_spec(tmp_path, "done", steps=6))
     for step in (3, 6):
         assert already_complete(run) is None  # nothing, then step 3 of 6: train
-        manifest = Manifest(step=step, tokens=0, model_fingerprint="-", world_size=2, layout={}, files={})
-        write_manifest(f"{run.checkpoint_url}/{step_dir_name(step)}", manifest)
+        manifest = CommitRecord(step=step, tokens=0, model_fingerprint="-", world_size=2, layout={}, files={})
+        write_commit(f"{run.checkpoint_url}/{step_dir_name(step)}", manifest)
     state = already_complete(run)
     assert state is not None and state.is_completed()
     assert state.message.startswith(f"run {run.run_id} was already complete at step 6: trained 0 steps")

@@ -3,7 +3,7 @@ watches the run complete with its artifacts and its graph.
 
 A ``prefect server start`` with the UI enabled on 127.0.0.1, the pools and the local-cpu pipeline
 deployment registered, a process worker, and Debian's headless Chromium driven by Playwright (never
-Playwright's own downloaded browsers). Screenshots land in ``docs/`` for the README.
+Playwright's own downloaded browsers). Screenshots land in ``docs/`` for the README and the docs pages.
 """
 
 from __future__ import annotations

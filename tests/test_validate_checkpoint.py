@@ -1,4 +1,4 @@
-"""Checkpoint validation: integrity, resharded loading in a separate process group, verdict in the manifest.
+"""Checkpoint validation: integrity, resharded loading in a separate process group, verdict in the commit record.
 
 One torchrun launch: a checkpoint saved by one process is validated by loading it into two.
 """
@@ -20,7 +20,7 @@ from trainer.checkpoint import (
     CheckpointMismatch,
     CheckpointStoreError,
     list_checkpoints,
-    read_manifest,
+    read_commit,
 )
 from trainer.checkpoint.pins import PIN_TTL_S, pin, pinned_steps, unpin
 from trainer.checkpoint.validate import load_and_check, validate_checkpoint
@@ -56,7 +56,7 @@ def test_valid_checkpoint_is_loaded_by_another_world_size_and_marked_validated(c
     assert (result.status, result.reason) == ("validated", "")
     # Saved by one process, so it was loaded (resharded) by two under torchrun.
     assert (result.saved_world_size, result.loaded_world_size) == (1, 2)
-    manifest = read_manifest(str(copy / "step-000002"))
+    manifest = read_commit(str(copy / "step-000002"))
     assert manifest.status == "validated"
     latest = CheckpointManager(str(copy), CheckpointConfig(), 1, JOB.model_fingerprint(), 1, 0, {}).latest()
     assert (latest.step, latest.status) == (2, "validated")
@@ -72,7 +72,7 @@ def test_flipped_byte_marks_corrupt_and_latest_falls_back(copy: Path) -> None:
     result = validate_checkpoint(str(copy / "step-000002"), JOB)
     assert result.status == "corrupt"
     assert result.reason == "sha256 mismatch: __0_0.distcp"
-    manifest = read_manifest(str(copy / "step-000002"))
+    manifest = read_commit(str(copy / "step-000002"))
     assert (manifest.status, manifest.reason) == ("corrupt", result.reason)
     assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
     record_fallback("flipped byte in the newest checkpoint (found by validation)", 1)
@@ -96,7 +96,7 @@ def test_other_model_and_partial_writes_are_refused(copy: Path) -> None:
     with pytest.raises(CheckpointMismatch, match="step-000002 holds model"):
         validate_checkpoint(str(copy / "step-000002"), other)
     (copy / "step-000002" / "tessera.json").unlink()
-    with pytest.raises(CheckpointStoreError, match=r"step-000002 has no tessera\.json manifest"):
+    with pytest.raises(CheckpointStoreError, match=r"step-000002 has no tessera\.json commit record"):
         validate_checkpoint(str(copy / "step-000002"), JOB)
 
 
@@ -119,7 +119,7 @@ def test_truncated_shard_is_marked_corrupt_on_resume_and_the_older_one_is_used(c
     shard = copy / "step-000002" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
     assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
-    assert read_manifest(str(copy / "step-000002")).reason.startswith(
+    assert read_commit(str(copy / "step-000002")).reason.startswith(
         "files truncated or missing: __0_0.distcp"
     )
     assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])  # the retry does not trip on it again
@@ -131,7 +131,7 @@ def test_shard_that_fails_to_load_is_marked_corrupt_and_the_older_one_is_used(co
     shard = copy / "step-000002" / "__0_0.distcp"
     shard.write_bytes(bytes(shard.stat().st_size))  # right size, garbage content: only a load can tell
     assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
-    assert "loading checkpoint" in read_manifest(str(copy / "step-000002")).reason
+    assert "loading checkpoint" in read_commit(str(copy / "step-000002")).reason
     record_fallback("garbage shard content in the newest checkpoint", 1)
 
 
@@ -167,7 +167,7 @@ def test_damaged_manifest_is_a_corrupt_checkpoint_and_resume_falls_back(copy: Pa
     """A tessera.json that does not parse is one more corrupt checkpoint: no crash loop, no traceback."""
     (copy / "step-000002" / "tessera.json").write_bytes(DAMAGED_MANIFESTS[damage])
     assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])
-    assert read_manifest(str(copy / "step-000002")).reason.startswith("unreadable tessera.json (")
+    assert read_commit(str(copy / "step-000002")).reason.startswith("unreadable tessera.json (")
     assert restore(copy) == (1, [(1, "committed"), (2, "corrupt")])  # the retry does not trip on it either
     if damage == "invalid JSON":
         record_fallback("damaged tessera.json in the newest checkpoint (invalid JSON, {}, missing keys)", 1)

@@ -23,9 +23,9 @@ from trainer.config import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
-    layout_errors,
 )
 from trainer.failures import UserError
+from trainer.layout_checks import layout_errors
 
 FlexingDegree = Literal["dp_replicate", "dp_shard"]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from trainer import storage
-from trainer.checkpoint import APP_KEY, CheckpointStoreError, check_model, read_manifest, store
+from trainer.checkpoint import APP_KEY, CheckpointStoreError, check_model, read_commit, store
 from trainer.checkpoint.errors import CheckpointError
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
@@ -44,7 +44,7 @@ class EvalResult:
 
 def load_model(step_url: str, job: JobConfig) -> tuple[int, Transformer]:
     """The checkpoint's step and its weights in a fresh unsharded model (eval mode)."""
-    manifest = read_manifest(step_url)
+    manifest = read_commit(step_url)
     if manifest is None or not manifest.good:
         state = "no committed manifest" if manifest is None else f"status {manifest.status}"
         raise CheckpointStoreError(f"checkpoint {step_url} has {state}; evaluate a committed checkpoint")

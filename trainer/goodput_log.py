@@ -76,7 +76,7 @@ class GoodputRecorder:
         self.write("checkpoint", t0, t1, step=step)
 
     def snapshot(self, step: int, t0: float, t1: float) -> None:
-        """An in-memory snapshot's stall (``trainer.checkpoint.memory``)."""
+        """An in-memory snapshot's stall (``trainer.checkpoint.ram_tier``)."""
         self.flush()
         self.write("snapshot", t0, t1, step=step)
 

@@ -1,4 +1,4 @@
-"""Every file tessera keeps in a store: dataset shards and manifests, tokenizers, checkpoint manifests.
+"""Every file tessera keeps in a store: dataset shards and cards, tokenizers, checkpoint commit records.
 
 One layer, so that a local path, ``gs://`` and ``s3://`` behave alike for all of them:
 

@@ -37,7 +37,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainer.backends import get_backend, get_chip
 from trainer.backends.base import local_rank
 from trainer.checkpoint import CheckpointError, CheckpointManager, ModelOptimizerState, RNGState
-from trainer.checkpoint.memory import HostMemoryTier, memory_directory
+from trainer.checkpoint.ram_tier import HostMemoryTier, memory_directory
 from trainer.checkpoint.resize import discard_other_sizes, memory_tier_current
 from trainer.config import JobConfig
 from trainer.data import StepLoader, build_loader

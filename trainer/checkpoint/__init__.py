@@ -1,11 +1,11 @@
-"""Sharded DCP checkpoints through fsspec: save/resume/retention, manifests, validation.
+"""Sharded DCP checkpoints through fsspec: save/resume/retention, commit records, validation.
 
-See ``manager.py`` for the save protocol and ``manifest.py`` for what makes a checkpoint committed.
+See ``manager.py`` for the save protocol and ``commit.py`` for what makes a checkpoint committed.
 """
 
+from trainer.checkpoint.commit import CommitRecord, check_model, list_checkpoints, read_commit
 from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch, CheckpointStoreError
 from trainer.checkpoint.manager import CheckpointManager
-from trainer.checkpoint.manifest import Manifest, check_model, list_checkpoints, read_manifest
 from trainer.checkpoint.state import APP_KEY, ModelOptimizerState, RNGState
 
 __all__ = [
@@ -14,10 +14,10 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMismatch",
     "CheckpointStoreError",
-    "Manifest",
+    "CommitRecord",
     "ModelOptimizerState",
     "RNGState",
     "check_model",
     "list_checkpoints",
-    "read_manifest",
+    "read_commit",
 ]

@@ -42,13 +42,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer import storage
 from trainer.checkpoint import store
-from trainer.checkpoint.manifest import (
-    Manifest,
+from trainer.checkpoint.commit import (
+    CommitRecord,
     digest_files,
     list_checkpoints,
-    read_manifest,
+    read_commit,
     step_dir_name,
-    write_manifest,
+    write_commit,
 )
 from trainer.checkpoint.state import APP_KEY
 from trainer.config import JobConfig, ModelConfig
@@ -235,7 +235,7 @@ def file_index(tensors: dict[str, Tensor], max_bytes: int = MAX_FILE_BYTES) -> d
 
 def resolve_step(checkpoint_url: str) -> str:
     """A step directory as given, or the newest good checkpoint under a checkpoints directory."""
-    if read_manifest(checkpoint_url) is not None:
+    if read_commit(checkpoint_url) is not None:
         return checkpoint_url.rstrip("/")
     good = [m for m in list_checkpoints(checkpoint_url) if m.good]
     if not good:
@@ -334,7 +334,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
     check_hf_config(read_hf_config(source), job.model)
     check_safetensors_headers(source)
     step_url = storage.join(checkpoint_url, step_dir_name(step))
-    if read_manifest(step_url) is not None:
+    if read_commit(step_url) is not None:
         raise UserError(f"{step_url} already holds a checkpoint; import into another checkpoint URL or step")
     meta = _meta_state(job)
     # The HF names and shapes of this model, as export would write them (fp32: tessera's master weights).
@@ -352,7 +352,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
             storage_writer=store.storage_writer(step_url),
             no_dist=True,
         )
-    manifest = Manifest(
+    record = CommitRecord(
         step=step,
         tokens=0,
         model_fingerprint=job.model_fingerprint(),
@@ -361,7 +361,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
         files=digest_files(step_url),
         meta={"imported_from": str(source)},
     )
-    write_manifest(step_url, manifest)
+    write_commit(step_url, record)
     return step_url
 
 

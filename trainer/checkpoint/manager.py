@@ -1,7 +1,7 @@
 """When to save, how (sync / async thread / async process), committing, resuming and retention.
 
 A save writes DCP shards into ``<url>/step-NNNNNN/``; once every rank's shards and DCP's ``.metadata``
-are written, rank 0 hashes the files and writes the ``tessera.json`` manifest (the commit), then
+are written, rank 0 hashes the files and writes the ``tessera.json`` commit record (the commit), then
 applies retention. Async saves do all of that off the training thread; the next save (or ``close``)
 waits for it, so at most one save is ever in flight and retention never races a write.
 
@@ -26,20 +26,20 @@ from torch.distributed.checkpoint.storage import StorageWriter
 
 from trainer import storage
 from trainer.checkpoint import store
-from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
-from trainer.checkpoint.lease import check_launcher
-from trainer.checkpoint.manifest import (
-    MANIFEST_NAME,
-    Manifest,
+from trainer.checkpoint.commit import (
+    COMMIT_FILE,
+    CommitRecord,
     check_model,
     checkpoint_files,
     digest_files,
     list_checkpoints,
-    read_manifest,
+    read_commit,
     step_dir_name,
     step_dirs,
-    write_manifest,
+    write_commit,
 )
+from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
+from trainer.checkpoint.lease import check_launcher
 from trainer.checkpoint.pins import pinned_steps
 from trainer.checkpoint.state import ModelOptimizerState, RNGState
 from trainer.config import CheckpointConfig
@@ -97,36 +97,36 @@ class CheckpointManager:
         self._commit: Future | None = None
         self._guarded: set[int] = set()
 
-    def latest(self) -> Manifest | None:
+    def latest(self) -> CommitRecord | None:
         """The newest committed or validated checkpoint; partial writes and corrupt ones are skipped."""
         good = [m for m in list_checkpoints(self.url) if m.good]
         return good[-1] if good else None
 
-    def restore(self, state: dict[str, Stateful]) -> Manifest | None:
+    def restore(self, state: dict[str, Stateful]) -> CommitRecord | None:
         """Load the newest good checkpoint that loads into ``state``; None if there is none.
 
         A checkpoint whose files are truncated or missing, or that fails to load, is marked corrupt
         (with the reason) and the next older one is tried: a retried job never trips on it again, so
         one bad checkpoint costs one checkpoint interval, not a crash loop. Truncation is caught by a
-        size check against the manifest (one listing); flipped bytes are left to the validation task,
+        size check against the record (one listing); flipped bytes are left to the validation task,
         since hashing every shard at each resume would cost minutes on a large model.
         """
         self.remove_partials()
         touched = False  # a failed load may have overwritten part of ``state``
-        for manifest in reversed([m for m in list_checkpoints(self.url) if m.good]):
-            problem = self._rank0_says(_size_problem(manifest) if self.rank == 0 else "")
+        for record in reversed([m for m in list_checkpoints(self.url) if m.good]):
+            problem = self._rank0_says(_size_problem(record) if self.rank == 0 else "")
             if not problem:
                 try:
                     touched = True
-                    self.load(manifest, state)
-                    return manifest
+                    self.load(record, state)
+                    return record
                 except CheckpointMismatch:
                     raise
                 except CheckpointError as exc:
                     if is_infra_error(exc):  # the store failed, not the checkpoint: the retry reloads it
                         raise
                     problem = str(exc)
-            self._mark_corrupt(manifest, problem)
+            self._mark_corrupt(record, problem)
         if touched:
             raise CheckpointError(
                 f"no checkpoint under {self.url} loads: each is now marked corrupt, with the reason in its "
@@ -134,20 +134,20 @@ class CheckpointManager:
             )
         return None
 
-    def load(self, manifest: Manifest, state: dict[str, Stateful]) -> None:
-        """Load ``manifest``'s checkpoint into ``state`` in place, resharding to this job's layout."""
-        check_model(manifest, self.model_fingerprint)
-        if manifest.world_size != self.world_size:
+    def load(self, record: CommitRecord, state: dict[str, Stateful]) -> None:
+        """Load ``record``'s checkpoint into ``state`` in place, resharding to this job's layout."""
+        check_model(record, self.model_fingerprint)
+        if record.world_size != self.world_size:
             skipped = [key for key, value in state.items() if isinstance(value, RNGState)]
             state = {key: value for key, value in state.items() if key not in skipped}
             log.warning(
                 "world size changed %d -> %d: not restoring per-rank RNG state %s",
-                manifest.world_size,
+                record.world_size,
                 self.world_size,
                 skipped,
             )
-        store.load(state, manifest.url, no_dist=not self._distributed)
-        log.info("loaded checkpoint %s (step %d)", manifest.url, manifest.step)
+        store.load(state, record.url, no_dist=not self._distributed)
+        log.info("loaded checkpoint %s (step %d)", record.url, record.step)
 
     def maybe_save(
         self,
@@ -196,23 +196,23 @@ class CheckpointManager:
         self._wait()
         self._save_began = time.perf_counter()
         step_url = storage.join(self.url, step_dir_name(step))
-        existing = read_manifest(step_url)
+        existing = read_commit(step_url)
         if existing is not None and existing.good:
             log.info("checkpoint %s already committed; not saving it again", step_url)
             return
         self._clear(step_url)
-        manifest = self._new_manifest(step, meta)
+        record = self._new_record(step, meta)
         writer = store.storage_writer(step_url)
         if self.faults is not None:
             writer = self.faults.checkpoint_writer(writer, step, self.rank, self.world_size)
         if self.cfg.mode == "sync":
-            self._save_now(state, writer, manifest, step_url)
+            self._save_now(state, writer, record, step_url)
         else:
-            self._start_save(state, writer, manifest, step_url)
+            self._start_save(state, writer, record, step_url)
 
-    def _new_manifest(self, step: int, meta: dict[str, Any]) -> Manifest:
+    def _new_record(self, step: int, meta: dict[str, Any]) -> CommitRecord:
         meta = dict(meta)
-        return Manifest(
+        return CommitRecord(
             step=step,
             tokens=int(meta.pop("tokens", 0)),
             model_fingerprint=self.model_fingerprint,
@@ -223,16 +223,16 @@ class CheckpointManager:
         )
 
     def _save_now(
-        self, state: dict[str, Stateful], writer: StorageWriter, manifest: Manifest, step_url: str
+        self, state: dict[str, Stateful], writer: StorageWriter, record: CommitRecord, step_url: str
     ) -> None:
         """Sync mode: write, then commit on rank 0, before returning."""
         with store.dcp_errors("saving", step_url):
             dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
         if self.rank == 0:
-            self._commit_and_retain(manifest, step_url)
+            self._commit_and_retain(record, step_url)
 
     def _start_save(
-        self, state: dict[str, Stateful], writer: StorageWriter, manifest: Manifest, step_url: str
+        self, state: dict[str, Stateful], writer: StorageWriter, record: CommitRecord, step_url: str
     ) -> None:
         """Async modes: stage and upload in the background, then commit on rank 0 once the upload is
         done; the next save (or ``close``) waits for all three."""
@@ -255,7 +255,7 @@ class CheckpointManager:
         else:
             self._upload = response
         if self.rank == 0:
-            self._commit = self._committer.submit(self._commit_after, self._upload, manifest, step_url)
+            self._commit = self._committer.submit(self._commit_after, self._upload, record, step_url)
 
     def close(self) -> None:
         """Finish and commit any save in flight."""
@@ -302,11 +302,11 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def _mark_corrupt(self, manifest: Manifest, reason: str) -> None:
-        log.error("checkpoint %s is corrupt, falling back to an older one: %s", manifest.url, reason)
+    def _mark_corrupt(self, record: CommitRecord, reason: str) -> None:
+        log.error("checkpoint %s is corrupt, falling back to an older one: %s", record.url, reason)
         if self.rank == 0:
-            manifest.status, manifest.reason = "corrupt", reason
-            write_manifest(manifest.url, manifest)
+            record.status, record.reason = "corrupt", reason
+            write_commit(record.url, record)
         if self._distributed:
             dist.barrier()
 
@@ -323,16 +323,16 @@ class CheckpointManager:
         if self._distributed:
             dist.barrier()
 
-    def _commit_after(self, upload: Future, manifest: Manifest, step_url: str) -> None:
+    def _commit_after(self, upload: Future, record: CommitRecord, step_url: str) -> None:
         upload.result()
-        self._commit_and_retain(manifest, step_url)
+        self._commit_and_retain(record, step_url)
 
-    def _commit_and_retain(self, manifest: Manifest, step_url: str) -> None:
-        manifest.files = digest_files(step_url)
+    def _commit_and_retain(self, record: CommitRecord, step_url: str) -> None:
+        record.files = digest_files(step_url)
         check_launcher(self.url)  # orphaned ranks of a killed launch commit nothing, and delete nothing
-        write_manifest(step_url, manifest)
+        write_commit(step_url, record)
         self._save_s = time.perf_counter() - self._save_began
-        log.info("committed checkpoint %s (%d files, %.1f s)", step_url, len(manifest.files), self._save_s)
+        log.info("committed checkpoint %s (%d files, %.1f s)", step_url, len(record.files), self._save_s)
         self._retain()
 
     def newest_step(self) -> int:
@@ -341,20 +341,20 @@ class CheckpointManager:
         return int(self._rank0_says(str(latest.step if latest else 0)))
 
     def remove_partials(self) -> None:
-        """Rank 0 deletes what killed saves left (step directories without a manifest) before training:
+        """Rank 0 deletes what killed saves left (step directories without a record) before training:
         the launcher holds the location's lease, so no save is in flight, and on a full disk their
         space is what the first new checkpoint needs."""
         if self.rank != 0:
             return
         for step_url in step_dirs(self.url).values():
-            if read_manifest(step_url) is None:
+            if read_commit(step_url) is None:
                 log.info("removing %s: a save that never committed", step_url)
                 delete_checkpoint(step_url)
 
     def _retain(self) -> None:
         dirs = step_dirs(self.url)
         statuses = {
-            step: manifest.status if (manifest := read_manifest(url)) else None for step, url in dirs.items()
+            step: record.status if (record := read_commit(url)) else None for step, url in dirs.items()
         }
         pinned = pinned_steps(self.url)  # queued for validation or evaluation: not now
         for step in steps_to_delete(statuses, self.cfg.keep_last, self.cfg.keep_every):
@@ -362,12 +362,12 @@ class CheckpointManager:
                 delete_checkpoint(dirs[step])
 
 
-def _size_problem(manifest: Manifest) -> str:
-    """'' if every file the manifest lists is there with its recorded size; else what is not."""
-    sizes = {name: entry.size for name, entry in checkpoint_files(manifest.url).items()}
+def _size_problem(record: CommitRecord) -> str:
+    """'' if every file the record lists is there with its recorded size; else what is not."""
+    sizes = {name: entry.size for name, entry in checkpoint_files(record.url).items()}
     wrong = [
         f"{name} ({sizes.get(name, 'missing')}, expected {digest.size} bytes)"
-        for name, digest in manifest.files.items()
+        for name, digest in record.files.items()
         if sizes.get(name) != digest.size
     ]
     return f"files truncated or missing: {', '.join(wrong)}" if wrong else ""
@@ -397,7 +397,7 @@ def _stager(mode: str) -> DefaultStager | None:
 def steps_to_delete(statuses: dict[int, str | None], keep_last: int, keep_every: int | None) -> list[int]:
     """Retention: keep the newest ``keep_last`` good checkpoints and every good multiple of ``keep_every``.
 
-    ``statuses`` maps step -> manifest status, None for a directory without a manifest (a stale partial:
+    ``statuses`` maps step -> record status, None for a directory without a record (a stale partial:
     only called between saves, so no write is in flight). Corrupt checkpoints are never kept.
     """
     good = sorted(step for step, status in statuses.items() if status in ("committed", "validated"))
@@ -408,11 +408,11 @@ def steps_to_delete(statuses: dict[int, str | None], keep_last: int, keep_every:
 
 
 def delete_checkpoint(step_url: str) -> None:
-    """Manifest first: an interrupted delete leaves a partial (ignored), never a committed checkpoint
+    """CommitRecord first: an interrupted delete leaves a partial (ignored), never a committed checkpoint
     with files missing."""
-    manifest_url = storage.join(step_url, MANIFEST_NAME)
+    record_url = storage.join(step_url, COMMIT_FILE)
     with store.store_errors("delete", step_url):
-        if storage.exists(manifest_url):
-            storage.remove(manifest_url)
+        if storage.exists(record_url):
+            storage.remove(record_url)
         storage.remove(step_url, recursive=True)
     log.info("deleted checkpoint %s", step_url)

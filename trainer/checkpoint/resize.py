@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from trainer.backends.base import local_rank
 from trainer.checkpoint import CheckpointManager
-from trainer.checkpoint.memory import memory_directory
+from trainer.checkpoint.ram_tier import memory_directory
 from trainer.config import JobConfig
 from trainer.elastic import resized_job
 

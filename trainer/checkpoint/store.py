@@ -1,6 +1,6 @@
 """DCP's storage plugins for checkpoint URLs (local path, gs://, s3://), on top of :mod:`trainer.storage`.
 
-Every other checkpoint file operation (manifests, listings, deletes) calls :mod:`trainer.storage`
+Every other checkpoint file operation (records, listings, deletes) calls :mod:`trainer.storage`
 directly, inside :func:`store_errors`, so that its failures reach callers as :class:`CheckpointStoreError`.
 """
 

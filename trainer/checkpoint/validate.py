@@ -1,6 +1,6 @@
-"""Prove a committed checkpoint is intact and loadable, then mark its manifest validated or corrupt.
+"""Prove a committed checkpoint is intact and loadable, then mark its record validated or corrupt.
 
-Checks, cheapest first: a committed manifest, every file's sha256 and size, DCP metadata, then a
+Checks, cheapest first: a committed record, every file's sha256 and size, DCP metadata, then a
 separate process group of a *different* world size than the save loads every tensor, resharded from
 the metadata alone (no model code), and checks they are finite. A corrupt checkpoint is skipped by
 ``CheckpointManager.latest``, which falls back to the previous good one.
@@ -36,8 +36,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from trainer import storage
 from trainer.checkpoint import store
+from trainer.checkpoint.commit import CommitRecord, check_model, digest_files, read_commit, write_commit
 from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
-from trainer.checkpoint.manifest import Manifest, check_model, digest_files, read_manifest, write_manifest
 from trainer.config import JobConfig
 from trainer.rank.local_tensor import local_tensor
 from trainer.runtime.launch import torchrun_command
@@ -67,7 +67,7 @@ class ValidationResult:
 def validate_checkpoint(
     step_url: str, job: JobConfig, world_size: int = 1, budget_bytes: int = BUDGET_BYTES
 ) -> ValidationResult:
-    """Validate one checkpoint directory and record the verdict in its manifest.
+    """Validate one checkpoint directory and record the verdict in its record.
 
     ``world_size`` is the loading world size; if it equals the saved one, 1 (or 2 for a single-process
     save) is used instead, so resharding is always exercised. ``budget_bytes`` bounds the tensor bytes
@@ -75,23 +75,25 @@ def validate_checkpoint(
     """
     start = time.perf_counter()
     step_url = step_url.rstrip("/")
-    manifest = read_manifest(step_url)
-    if manifest is None:
-        what = "has no tessera.json manifest (a partial write)" if _exists(step_url) else "does not exist"
+    record = read_commit(step_url)
+    if record is None:
+        what = (
+            "has no tessera.json commit record (a partial write)" if _exists(step_url) else "does not exist"
+        )
         raise CheckpointStoreError(f"checkpoint {step_url} {what}; validate a committed checkpoint")
-    check_model(manifest, job.model_fingerprint())
-    if world_size == manifest.world_size:
-        world_size = 2 if manifest.world_size == 1 else 1
-    reason = _integrity_problem(manifest) or _load_problem(step_url, world_size, budget_bytes)
-    manifest.status, manifest.reason = ("corrupt", reason) if reason else ("validated", "")
-    if _exists(step_url):  # retention may have deleted it meanwhile: don't resurrect a lone manifest
-        write_manifest(step_url, manifest)
+    check_model(record, job.model_fingerprint())
+    if world_size == record.world_size:
+        world_size = 2 if record.world_size == 1 else 1
+    reason = _integrity_problem(record) or _load_problem(step_url, world_size, budget_bytes)
+    record.status, record.reason = ("corrupt", reason) if reason else ("validated", "")
+    if _exists(step_url):  # retention may have deleted it meanwhile: don't resurrect a lone record
+        write_commit(step_url, record)
     return ValidationResult(
         step_url,
-        manifest.step,
-        manifest.status,
+        record.step,
+        record.status,
         reason,
-        manifest.world_size,
+        record.world_size,
         world_size,
         time.perf_counter() - start,
     )
@@ -102,19 +104,19 @@ def _exists(step_url: str) -> bool:
         return storage.exists(step_url)
 
 
-def _integrity_problem(manifest: Manifest) -> str:
-    """'' if the files are exactly those the manifest lists, byte for byte; else what differs."""
-    if manifest.status not in ("committed", "validated"):
-        return f"manifest status is {manifest.status!r} ({manifest.reason})"
-    actual = digest_files(manifest.url)
-    missing = sorted(set(manifest.files) - set(actual))
+def _integrity_problem(record: CommitRecord) -> str:
+    """'' if the files are exactly those the record lists, byte for byte; else what differs."""
+    if record.status not in ("committed", "validated"):
+        return f"commit record status is {record.status!r} ({record.reason})"
+    actual = digest_files(record.url)
+    missing = sorted(set(record.files) - set(actual))
     if missing:
         return f"files missing: {', '.join(missing)}"
-    changed = sorted(name for name, digest in manifest.files.items() if actual[name] != digest)
+    changed = sorted(name for name, digest in record.files.items() if actual[name] != digest)
     if changed:
         return f"sha256 mismatch: {', '.join(changed)}"
     try:
-        store.storage_reader(manifest.url).read_metadata()
+        store.storage_reader(record.url).read_metadata()
     except Exception as exc:
         return f"DCP metadata unreadable: {exc}"
     return ""

@@ -1,4 +1,4 @@
-"""Data pipeline: corpus → byte-level BPE → packed ``seq_len + 1`` samples → webdataset shards + manifest,
+"""Data pipeline: corpus → byte-level BPE → packed ``seq_len + 1`` samples → webdataset shards + card,
 and the resumable, dp-size-independent loader that reads them back. Plain library: no Prefect here.
 
     data_url = prepare.prepare_dataset(cfg.data, vocab_size, seq_len, seed)   # cached on its inputs
@@ -20,9 +20,9 @@ from typing import Any
 
 _EXPORTS = {
     "DataError": "errors",
-    "DatasetManifest": "manifest",
-    "read_manifest": "manifest",
-    "require_manifest": "manifest",
+    "DatasetCard": "card",
+    "read_card": "card",
+    "require_card": "card",
     "StepLoader": "loader",
     "build_loader": "loader",
     "load_tokenizer": "loader",

@@ -8,7 +8,7 @@ flight. A download holds up to twice its tar bytes (the HTTP client's received c
 copy), a decode its tar bytes and its tokens, a held shard its tokens, so the peak is below
 ``(K + 1) × (2 × tar bytes + token bytes)`` of the largest shard (measured by
 ``benchmarks/bench_data.py``). Every read goes through :func:`trainer.storage.read`: transient store
-errors are retried with jittered exponential backoff, and a shard is checked against the manifest's
+errors are retried with jittered exponential backoff, and a shard is checked against the card's
 sha256 before use.
 
 With a cache directory, verified shards are also kept on local disk under their sha256, so a second
@@ -39,8 +39,8 @@ from pathlib import Path
 import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from trainer.data.card import DatasetCard, ShardInfo, TokenDtype
 from trainer.data.errors import DataError
-from trainer.data.manifest import DatasetManifest, ShardInfo, TokenDtype
 from trainer.data.shards import TOKENS_EXT
 from trainer.storage import StoreNotFound, read
 
@@ -109,8 +109,8 @@ class ShardCache:
 class ShardReader:
     """A dataset's decoded shards by index: the one being read plus at most K fetched ahead."""
 
-    def __init__(self, manifest: DatasetManifest, shards: list[ShardInfo], settings: FetchSettings) -> None:
-        self.manifest, self.shards, self.settings = manifest, shards, settings
+    def __init__(self, card: DatasetCard, shards: list[ShardInfo], settings: FetchSettings) -> None:
+        self.card, self.shards, self.settings = card, shards, settings
         self.cache = ShardCache(settings.cache_dir, settings.cache_bytes) if settings.cache_dir else None
         self._held: OrderedDict[int, Future[np.ndarray]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None  # created on first use: after any worker fork
@@ -146,10 +146,10 @@ class ShardReader:
     def _fetch(self, shard: ShardInfo) -> np.ndarray:
         data = self.cache.get(shard) if self.cache else None
         if data is None:
-            data = fetch_verified(self.manifest.url_of(shard.name), shard)
+            data = fetch_verified(self.card.url_of(shard.name), shard)
             if self.cache:
                 self.cache.put(shard, data)
-        return decode_shard(data, self.manifest.dtype, self.manifest.sample_len, shard.name)
+        return decode_shard(data, self.card.dtype, self.card.sample_len, shard.name)
 
 
 def decode_shard(data: bytes, dtype: TokenDtype, sample_len: int, name: str) -> np.ndarray:
@@ -181,7 +181,7 @@ def _check_members(data: bytes, sample_bytes: int, name: str) -> int:
     """Refuse a shard that would expand beyond its own bytes before anything is extracted; returns how
     many members it has (one per sample).
 
-    A manifest's sha256 only proves the shard is the one that was listed, not that it is harmless: a
+    A card's sha256 only proves the shard is the one that was listed, not that it is harmless: a
     compressed tar (which ``tarfile`` would open transparently) or a sparse member can expand a
     megabyte into gigabytes. tessera writes plain tars whose members are one sample's tokens, so
     anything compressed, sparse or larger than a sample is not a tessera shard. Only the headers are
@@ -210,15 +210,15 @@ def fetch_shard(url: str, shard: ShardInfo, dtype: TokenDtype, sample_len: int) 
 
 
 def fetch_verified(url: str, shard: ShardInfo) -> bytes:
-    """Download one shard (retried on transient errors) and check its sha256 against the manifest."""
+    """Download one shard (retried on transient errors) and check its sha256 against the card."""
     try:
         data = read(url)
     except StoreNotFound as error:
-        raise DataError(f"shard {url} listed in the manifest is missing; re-run data preparation") from error
+        raise DataError(f"shard {url} listed in the card is missing; re-run data preparation") from error
     digest = hashlib.sha256(data).hexdigest()
     if digest != shard.sha256:
         raise DataError(
-            f"shard {url} is corrupt: sha256 {digest[:12]}… but the manifest says "
+            f"shard {url} is corrupt: sha256 {digest[:12]}… but the card says "
             f"{shard.sha256[:12]}…; re-run data preparation"
         )
     return data

@@ -34,9 +34,9 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from trainer.config import JobConfig
+from trainer.data.card import DatasetCard, require_card, resolve
 from trainer.data.errors import DataError
 from trainer.data.fetch import fetch_shard
-from trainer.data.manifest import DatasetManifest, require_manifest, resolve
 from trainer.data.mixture import MixtureManifest, MixtureSamples, WeightSchedule, is_mixture, read_mixture
 from trainer.data.order import SampleSource, ShardedSamples
 from trainer.data.synthetic import SyntheticSamples
@@ -142,44 +142,43 @@ def build_loader(job: JobConfig, dp_rank: int, dp_size: int) -> StepLoader:
     elif is_mixture(job.data_url):
         mixture = read_mixture(job.data_url)
         datasets = {
-            entry.name: _checked(_source_manifest(job.data_url, entry.manifest), job)
-            for entry in mixture.sources
+            entry.name: _checked(_source_card(job.data_url, entry.manifest), job) for entry in mixture.sources
         }
         source = MixtureSamples(
-            {name: ShardedSamples(manifest, job.seed) for name, manifest in datasets.items()},
+            {name: ShardedSamples(card, job.seed) for name, card in datasets.items()},
             WeightSchedule([entry.weight for entry in mixture.sources], mixture.schedule),
             job.seed,
             job.train.global_batch_size,
         )
     else:
-        source = ShardedSamples(_checked(require_manifest(job.data_url), job), job.seed)
+        source = ShardedSamples(_checked(require_card(job.data_url), job), job.seed)
     return StepLoader(source, job.train.global_batch_size, dp_rank, dp_size, job.loader_workers)
 
 
-def _checked(manifest: DatasetManifest, job: JobConfig) -> DatasetManifest:
-    if manifest.seq_len != job.train.seq_len:
+def _checked(card: DatasetCard, job: JobConfig) -> DatasetCard:
+    if card.seq_len != job.train.seq_len:
         raise DataError(
-            f"dataset {job.data_url} was packed for seq_len={manifest.seq_len} but "
+            f"dataset {job.data_url} was packed for seq_len={card.seq_len} but "
             f"train.seq_len={job.train.seq_len}; prepare it again with this seq_len"
         )
-    if manifest.tokenizer_vocab_size > job.model.vocab_size:
+    if card.tokenizer_vocab_size > job.model.vocab_size:
         raise DataError(
-            f"dataset {job.data_url} has token ids up to {manifest.tokenizer_vocab_size - 1} "
+            f"dataset {job.data_url} has token ids up to {card.tokenizer_vocab_size - 1} "
             f"but model.vocab_size={job.model.vocab_size}; raise model.vocab_size"
         )
-    return manifest
+    return card
 
 
-def data_manifests(data_url: str) -> list[DatasetManifest]:
-    """The dataset behind ``data_url``: one manifest, or a mixture's, one per source in source order."""
+def data_cards(data_url: str) -> list[DatasetCard]:
+    """The dataset behind ``data_url``: one card, or a mixture's, one per source in source order."""
     if not is_mixture(data_url):
-        return [require_manifest(data_url)]
+        return [require_card(data_url)]
     mixture: MixtureManifest = read_mixture(data_url)
-    return [_source_manifest(data_url, entry.manifest) for entry in mixture.sources]
+    return [_source_card(data_url, entry.manifest) for entry in mixture.sources]
 
 
-def _source_manifest(mixture_url: str, relative: str) -> DatasetManifest:
-    return require_manifest(resolve(mixture_url.rstrip("/").rsplit("/", 1)[0], relative))
+def _source_card(mixture_url: str, relative: str) -> DatasetCard:
+    return require_card(resolve(mixture_url.rstrip("/").rsplit("/", 1)[0], relative))
 
 
 @dataclass(frozen=True)
@@ -203,7 +202,7 @@ def validation_sample(data_url: str, samples: int, seed: int) -> ValidationSampl
     mixture's sources): the same ones every call, so checkpoints are compared on one sample. Uniform
     rather than the first ones in stored order, which sit in one part of the corpus, often one document.
     Only the shards holding a chosen sample are read."""
-    shards = [(m, shard) for m in data_manifests(data_url) for shard in m.split_shards("val")]
+    shards = [(m, shard) for m in data_cards(data_url) for shard in m.split_shards("val")]
     counts = np.array([shard.samples for _, shard in shards], dtype=np.int64)
     starts = np.cumsum(counts) - counts
     total = int(counts.sum())
@@ -211,9 +210,9 @@ def validation_sample(data_url: str, samples: int, seed: int) -> ValidationSampl
     owner = np.searchsorted(starts, chosen, side="right") - 1
     picked, documents = [], 0
     for index in np.unique(owner):
-        manifest, shard = shards[index]
-        rows = fetch_shard(manifest.url_of(shard.name), shard, manifest.dtype, manifest.sample_len)
-        eos = rows == manifest.eos_id
+        card, shard = shards[index]
+        rows = fetch_shard(card.url_of(shard.name), shard, card.dtype, card.sample_len)
+        eos = rows == card.eos_id
         first_document = np.cumsum(eos.sum(axis=1)) - eos.sum(axis=1)  # within the shard, at each row's start
         offsets = chosen[owner == index] - starts[index]
         picked.append(rows[offsets])
@@ -232,11 +231,11 @@ def validation_batches(data_url: str, batch_size: int, max_batches: int, seed: i
 
 
 def load_tokenizer(data_url: str) -> Tokenizer:
-    """The tokenizer the dataset was encoded with (checked against the manifest's sha256); a mixture's
+    """The tokenizer the dataset was encoded with (checked against the card's sha256); a mixture's
     sources all share one."""
-    manifest = data_manifests(data_url)[0]
-    url = manifest.url_of(manifest.tokenizer)
+    card = data_cards(data_url)[0]
+    url = card.url_of(card.tokenizer)
     data = read_tokenizer_bytes(url)
-    if hashlib.sha256(data).hexdigest() != manifest.tokenizer_sha256:
-        raise DataError(f"tokenizer {url} does not match the manifest's sha256; re-run data preparation")
-    return parse_tokenizer(data, url, manifest.vocab_size)
+    if hashlib.sha256(data).hexdigest() != card.tokenizer_sha256:
+        raise DataError(f"tokenizer {url} does not match the card's sha256; re-run data preparation")
+    return parse_tokenizer(data, url, card.vocab_size)

@@ -1,7 +1,7 @@
 """Weighted mixtures of prepared datasets: the mixture file, and the seeded order that draws from it.
 
 ``<output_url>/mixture-<hash>.json`` names each source's prepared dataset, its weight and the weight
-schedule; training reads only its URL (``JobConfig.data_url``), as it would a single manifest.
+schedule; training reads only its URL (``JobConfig.data_url``), as it would a single card.
 
 Which source global sample ``g`` comes from is a pure function of ``(seed, g, weights at g's step)``:
 ``u = frac(g / φ + offset(seed))`` (a golden-ratio Weyl sequence, in exact 64-bit integer arithmetic)

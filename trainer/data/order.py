@@ -18,8 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
+from trainer.data.card import DatasetCard
 from trainer.data.fetch import FetchSettings, ShardReader
-from trainer.data.manifest import DatasetManifest
 
 
 class SampleSource(Protocol):
@@ -41,17 +41,17 @@ class SampleSource(Protocol):
 class ShardedSamples:
     """The train split of a prepared dataset in the seeded global order (see the module docstring)."""
 
-    def __init__(self, manifest: DatasetManifest, seed: int, fetch: FetchSettings | None = None) -> None:
-        self.manifest, self.seed = manifest, seed
-        self.shards = manifest.split_shards("train")
+    def __init__(self, card: DatasetCard, seed: int, fetch: FetchSettings | None = None) -> None:
+        self.card, self.seed = card, seed
+        self.shards = card.split_shards("train")
         self.samples_per_epoch = sum(s.samples for s in self.shards)
-        self.reader = ShardReader(manifest, self.shards, fetch or FetchSettings.from_env())
+        self.reader = ShardReader(card, self.shards, fetch or FetchSettings.from_env())
         self._layouts: dict[int, tuple[np.ndarray, list[int]]] = {}
         self._within_key: tuple[int, int] | None = None
         self._within_order: np.ndarray = np.empty(0, dtype=np.int64)
 
     def rows(self, start: int, count: int) -> np.ndarray:
-        out = np.empty((count, self.manifest.sample_len), dtype=np.int64)
+        out = np.empty((count, self.card.sample_len), dtype=np.int64)
         row = 0
         while row < count:  # one run of consecutive positions inside one shard per pass
             epoch, position = divmod(start + row, self.samples_per_epoch)

@@ -23,8 +23,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 from tokenizers import Tokenizer
 
+from trainer.data.card import FORMAT_VERSION, ShardInfo, Split, SplitTotals, TokenDtype
 from trainer.data.corpus import Part, read_documents
-from trainer.data.manifest import FORMAT_VERSION, ShardInfo, Split, SplitTotals, TokenDtype
 from trainer.data.pack import Packer, split_documents
 from trainer.data.shards import ShardSink, token_dtype
 from trainer.data.tokenizer import EOS, parse_tokenizer, read_tokenizer_bytes

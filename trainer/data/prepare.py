@@ -1,8 +1,8 @@
-"""Data preparation: corpus → tokenizer → parts (tokenize + pack + shard) → manifest, cached on its inputs.
+"""Data preparation: corpus → tokenizer → parts (tokenize + pack + shard) → card, cached on its inputs.
 
 A dataset lives in ``<output_url>/<fingerprint>/manifest.json``, where the fingerprint hashes
 everything that determines its bytes (each part's identity, the tokenizer recipe, seq_len, seed, split
-fraction, shard size, filters): a re-run with the same inputs finds the manifest and returns at once,
+fraction, shard size, filters): a re-run with the same inputs finds the card and returns at once,
 and changed inputs get a fresh directory instead of overwriting a dataset some run may still read.
 Its shards live in ``<output_url>/parts/<part fingerprint>/`` (see :mod:`trainer.data.parts`), shared
 by every dataset version that contains the part, so adding input files prepares only the new ones.
@@ -18,7 +18,7 @@ models and URLs, never data); ``prepare_dataset`` runs them in order with any ``
     digests = map(document_digests, plan.all_parts)            # only with data.dedup
     jobs = part_jobs(plan, tokenizer, digests)
     records = map(prepare_part, jobs)                          # the fan-out
-    assemble(plan, tokenizer, jobs, records)                   # manifests written last
+    assemble(plan, tokenizer, jobs, records)                   # cards written last
 
 Every step is deterministic (fixed tokenizer training on a fixed sample, part-seeded splits, fixed
 tar metadata), so any number of workers, a retry or a concurrent run writes the same bytes to the
@@ -35,19 +35,19 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from trainer.config import CorpusConfig, DataConfig
-from trainer.data.corpus import Part, corpus_parts, read_documents
-from trainer.data.errors import DataError
-from trainer.data.manifest import (
+from trainer.data.card import (
+    CARD_FILE,
     FORMAT_VERSION,
-    MANIFEST,
     TOKENIZER,
-    DatasetManifest,
+    DatasetCard,
     FilterReport,
     ShardInfo,
     SplitTotals,
-    require_manifest,
-    write_manifest,
+    require_card,
+    write_card,
 )
+from trainer.data.corpus import Part, corpus_parts, read_documents
+from trainer.data.errors import DataError
 from trainer.data.mixture import MixtureManifest, SourceEntry, mixture_name, write_mixture
 from trainer.data.parts import SPLITS, PartJob, PartRecord, document_digests, prepare_part
 from trainer.data.shards import token_dtype
@@ -87,15 +87,15 @@ class Preparation(BaseModel):
 
     @property
     def data_url(self) -> str:
-        """What training reads: the dataset's manifest, or for a mixture the mixture file."""
+        """What training reads: the dataset's card, or for a mixture the mixture file."""
         if self.cfg.mixture is None:
-            return join(self.datasets["main"], MANIFEST)
+            return join(self.datasets["main"], CARD_FILE)
         entries = self.mixture_entries()
         return join(self.cfg.output_url, mixture_name(entries, self.cfg.mixture.schedule))
 
     def prepared(self) -> str | None:
-        """The data URL if everything is prepared already (manifests exist), else None."""
-        done = all(exists(join(url, MANIFEST)) for url in self.datasets.values()) and exists(self.data_url)
+        """The data URL if everything is prepared already (cards exist), else None."""
+        done = all(exists(join(url, CARD_FILE)) for url in self.datasets.values()) and exists(self.data_url)
         return self.data_url if done else None
 
     def mixture_entries(self) -> list[SourceEntry]:
@@ -170,7 +170,7 @@ def part_jobs(
 
 
 def assemble(plan: Preparation, tokenizer: Tokenizer, jobs: list[PartJob], records: list[PartRecord]) -> str:
-    """Write each source's manifest (and the mixture file) from its parts' records; returns the data URL."""
+    """Write each source's card (and the mixture file) from its parts' records; returns the data URL."""
     data = read_tokenizer_bytes(tokenizer.url)
     parsed = parse_tokenizer(data, tokenizer.url, plan.vocab_size)
     by_part = iter(zip(jobs, records, strict=True))
@@ -178,7 +178,7 @@ def assemble(plan: Preparation, tokenizer: Tokenizer, jobs: list[PartJob], recor
         done = [next(by_part) for _ in plan.parts[name]]
         url = plan.datasets[name]
         write_atomic(join(url, TOKENIZER), data)
-        manifest = DatasetManifest(
+        card = DatasetCard(
             fingerprint=url.rstrip("/").rsplit("/", 1)[-1],
             inputs=_dataset_inputs(
                 plan.cfg,
@@ -209,7 +209,7 @@ def assemble(plan: Preparation, tokenizer: Tokenizer, jobs: list[PartJob], recor
             parts=[job.fingerprint for job, _ in done],
             filters=_filter_report(plan.cfg, [record for _, record in done]),
         )
-        write_manifest(url, manifest)
+        write_card(url, card)
     if plan.cfg.mixture is not None:
         write_mixture(
             plan.data_url,
@@ -234,7 +234,7 @@ def prepare_dataset(
     done = plan.prepared()
     if done is not None:
         for url in plan.datasets.values():
-            require_manifest(url)  # a reused dataset must still parse
+            require_card(url)  # a reused dataset must still parse
         return done
     tokenizer = prepare_tokenizer(plan)
     digests = map_parts(document_digests, plan.all_parts) if cfg.dedup else None
@@ -379,8 +379,8 @@ def _ensure_output_writable(url: str) -> None:
 
 
 def _relative(dataset_url: str) -> str:
-    """A dataset's manifest named relative to ``output_url``, where the mixture file sits."""
-    return f"{dataset_url.rstrip('/').rsplit('/', 1)[-1]}/{MANIFEST}"
+    """A dataset's card named relative to ``output_url``, where the mixture file sits."""
+    return f"{dataset_url.rstrip('/').rsplit('/', 1)[-1]}/{CARD_FILE}"
 
 
 def _hash(value: Any) -> str:

@@ -1,7 +1,7 @@
 """Write packed samples into webdataset tar shards and read them back, verified.
 
 A sample is one tar member ``<key>.tokens``: ``seq_len + 1`` token ids as raw little-endian
-integers of the manifest's dtype (uint16 for vocabularies up to 65536, else int32): half the bytes
+integers of the card's dtype (uint16 for vocabularies up to 65536, else int32): half the bytes
 of int32 for every model here, and no per-sample header as ``.npy`` would add.
 
 A shard is built in memory (``samples_per_shard × (seq_len + 1)`` tokens: a few MB) and stored with
@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from trainer.data.manifest import ShardInfo, Split, TokenDtype
+from trainer.data.card import ShardInfo, Split, TokenDtype
 from trainer.storage import join, write_atomic
 
 TOKENS_EXT = "tokens"

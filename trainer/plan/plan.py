@@ -20,8 +20,8 @@ from trainer.plan.bubble import bubble_fraction as pipeline_bubble_fraction
 from trainer.plan.comms import DimPlacement, place, traffic
 from trainer.plan.experts import ep_placements
 from trainer.plan.flops import model_flops_per_token, recompute_flops_per_token, tokens_per_step
+from trainer.plan.hbm import MemoryBreakdown, estimate_memory
 from trainer.plan.layout import Geometry
-from trainer.plan.memory import MemoryBreakdown, estimate_memory
 from trainer.plan.profile import HardwareProfile, catalog_profile
 from trainer.plan.timing import Overlap, StepTime, step_time
 
@@ -163,7 +163,7 @@ def make_plan(
     profile: HardwareProfile | None = None,
     overlap: Overlap | None = None,
 ) -> Plan:
-    """Estimate one layout. Inputs must already satisfy ``trainer.config.layout_errors``.
+    """Estimate one layout. Inputs must already satisfy ``trainer.layout_checks.layout_errors``.
 
     ``profile`` holds the hardware figures (``tessera calibrate``'s, via ``profile.load_profile``);
     default: the chip catalog's. ``overlap`` says what the training loop overlaps; default: tessera's.

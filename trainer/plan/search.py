@@ -14,12 +14,12 @@ from trainer.config import (
     ModelConfig,
     ParallelConfig,
     TrainConfig,
-    layout_errors,
 )
 from trainer.divisors import divisors
+from trainer.layout_checks import layout_errors
 from trainer.plan.comms import fast_domain_chips
+from trainer.plan.hbm import STATE_BYTES, estimate_memory
 from trainer.plan.layout import Geometry
-from trainer.plan.memory import STATE_BYTES, estimate_memory
 from trainer.plan.plan import USABLE_HBM_FRACTION, Plan, make_plan
 from trainer.plan.profile import HardwareProfile
 

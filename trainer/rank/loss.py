@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer.plan.memory import loss_chunk_tokens
+from trainer.plan.hbm import loss_chunk_tokens
 
 
 def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -34,7 +34,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, rows: 
 
     rows: tokens per chunk; by default a chunk's logits have about as many elements as ``hidden``
     (Liger's rule: the head then needs no more memory than the activation it reads), and at least
-    ``trainer.plan.memory.MIN_CHUNK_TOKENS``.
+    ``trainer.plan.hbm.MIN_CHUNK_TOKENS``.
     """
     hidden, targets = hidden.flatten(0, 1), targets.flatten()
     vocab, dim = weight.shape

@@ -1,8 +1,9 @@
-"""The ``tessera.json`` manifest: written last, so its presence with status ``committed`` is the commit.
+"""The ``tessera.json`` commit record: written last, so its presence with status ``committed`` is the commit.
 
 A step directory without one is a partial write (a save that was killed) and is never resumed. Like
-the dataset's manifest (:mod:`trainer.data.manifest`), it is written by ``write_manifest(url,
-manifest)`` and read by ``read_manifest(url)``, which returns None when there is none.
+the dataset's card (:mod:`trainer.data.card`), it is written by ``write_commit(url, record)`` and
+read by ``read_commit(url)``, which returns None when there is none. The file keeps its name
+``tessera.json`` so existing checkpoints stay readable.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from trainer import storage
 from trainer.checkpoint.errors import CheckpointMismatch
 from trainer.checkpoint.store import WRITER_THREADS, store_errors
 
-MANIFEST_NAME = "tessera.json"
+COMMIT_FILE = "tessera.json"
 FORMAT_VERSION = 1
 Status = Literal["committed", "validated", "corrupt"]
 GOOD_STATUSES: tuple[Status, ...] = ("committed", "validated")
@@ -35,7 +36,7 @@ class FileDigest:
 
 
 @dataclass
-class Manifest:
+class CommitRecord:
     """What was saved, by whom, and whether it is trustworthy; ``url`` is where it was read from."""
 
     step: int
@@ -61,15 +62,15 @@ class Manifest:
         return json.dumps(body, indent=2, sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes, url: str) -> Manifest:
-        """Parse and type-check a manifest; a damaged one raises ``pydantic.ValidationError``."""
-        manifest = _MANIFEST.validate_json(data)
-        manifest.url = url
-        return manifest
+    def from_json(cls, data: bytes, url: str) -> CommitRecord:
+        """Parse and type-check a record; a damaged one raises ``pydantic.ValidationError``."""
+        record = _COMMIT_RECORD.validate_json(data)
+        record.url = url
+        return record
 
     @classmethod
-    def damaged(cls, step_url: str, error: ValidationError) -> Manifest:
-        """What an unreadable manifest stands for: a corrupt checkpoint (resume skips it, retention
+    def damaged(cls, step_url: str, error: ValidationError) -> CommitRecord:
+        """What an unreadable record stands for: a corrupt checkpoint (resume skips it, retention
         removes it), with the parse error as the reason, rather than a crash on every attempt."""
         first = error.errors()[0]
         where = ".".join(map(str, first["loc"])) or "document"
@@ -82,51 +83,51 @@ class Manifest:
             layout={},
             files={},
             status="corrupt",
-            reason=f"unreadable {MANIFEST_NAME} ({where}: {first['msg']})",
+            reason=f"unreadable {COMMIT_FILE} ({where}: {first['msg']})",
             url=step_url.rstrip("/"),
         )
 
 
-_MANIFEST = TypeAdapter(Manifest)
+_COMMIT_RECORD = TypeAdapter(CommitRecord)
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def check_model(manifest: Manifest, model_fingerprint: str) -> None:
+def check_model(record: CommitRecord, model_fingerprint: str) -> None:
     """Refuse a checkpoint saved from another model shape before DCP fails on it deep in a load."""
-    if manifest.model_fingerprint != model_fingerprint:
+    if record.model_fingerprint != model_fingerprint:
         raise CheckpointMismatch(
-            f"checkpoint {manifest.url} holds model {manifest.model_fingerprint} but this job's model is "
+            f"checkpoint {record.url} holds model {record.model_fingerprint} but this job's model is "
             f"{model_fingerprint}; restore the original model config or use a new checkpoint.url"
         )
 
 
-def write_manifest(step_url: str, manifest: Manifest) -> str:
-    """Write ``manifest`` into the checkpoint directory ``step_url`` atomically; returns its URL."""
-    url = storage.join(step_url, MANIFEST_NAME)
+def write_commit(step_url: str, record: CommitRecord) -> str:
+    """Write ``record`` into the checkpoint directory ``step_url`` atomically; returns its URL."""
+    url = storage.join(step_url, COMMIT_FILE)
     with store_errors("write", url):
-        storage.write_atomic(url, manifest.to_json())
-    manifest.url = step_url.rstrip("/")
+        storage.write_atomic(url, record.to_json())
+    record.url = step_url.rstrip("/")
     return url
 
 
-def read_manifest(step_url: str) -> Manifest | None:
-    """The manifest of one checkpoint directory, or None when there is none (a partial write).
+def read_commit(step_url: str) -> CommitRecord | None:
+    """The record of one checkpoint directory, or None when there is none (a partial write).
 
-    Never raises for the manifest's content: invalid JSON, ``{}`` or a missing key read as a corrupt
-    checkpoint (:meth:`Manifest.damaged`); only the store itself failing raises."""
-    url = storage.join(step_url, MANIFEST_NAME)
+    Never raises for the record's content: invalid JSON, ``{}`` or a missing key read as a corrupt
+    checkpoint (:meth:`CommitRecord.damaged`); only the store itself failing raises."""
+    url = storage.join(step_url, COMMIT_FILE)
     with store_errors("read", url):
         try:
             data = storage.read(url)
         except storage.StoreNotFound:
             return None
     try:
-        return Manifest.from_json(data, step_url.rstrip("/"))
+        return CommitRecord.from_json(data, step_url.rstrip("/"))
     except ValidationError as error:
-        return Manifest.damaged(step_url, error)
+        return CommitRecord.damaged(step_url, error)
 
 
 def step_dirs(url: str) -> dict[int, str]:
@@ -140,21 +141,21 @@ def step_dirs(url: str) -> dict[int, str]:
     return {int(match.group(1)): step_url for match, step_url in matches if match}
 
 
-def list_checkpoints(url: str) -> list[Manifest]:
-    """Every checkpoint under ``url`` that has a manifest (any status), oldest first."""
-    manifests = (read_manifest(step_url) for _, step_url in sorted(step_dirs(url).items()))
-    return [m for m in manifests if m is not None]
+def list_checkpoints(url: str) -> list[CommitRecord]:
+    """Every checkpoint under ``url`` that has a record (any status), oldest first."""
+    records = (read_commit(step_url) for _, step_url in sorted(step_dirs(url).items()))
+    return [m for m in records if m is not None]
 
 
 def checkpoint_files(step_url: str) -> dict[str, storage.Entry]:
-    """Every file in a checkpoint directory except the manifest (and its temporary copies), by name."""
+    """Every file in a checkpoint directory except the record (and its temporary copies), by name."""
     with store_errors("list", step_url):
         entries = storage.list_dir(step_url)
-    return {e.name: e for e in entries if e.is_file and not e.name.startswith(MANIFEST_NAME)}
+    return {e.name: e for e in entries if e.is_file and not e.name.startswith(COMMIT_FILE)}
 
 
 def digest_files(step_url: str) -> dict[str, FileDigest]:
-    """sha256 and size of every file in a checkpoint directory except the manifest.
+    """sha256 and size of every file in a checkpoint directory except the record.
 
     One thread per file, as many as the writer used (``store.WRITER_THREADS`` files per rank): hashlib
     lets go of the GIL while it hashes, so the commit reads the files at the disk's (or the page

@@ -1,10 +1,12 @@
-"""``manifest.json``: the file contract between data prep and training.
+"""The dataset card, ``manifest.json``: the file contract between data prep and training.
 
-It is written last, after every shard and the tokenizer, so its presence means the dataset under
-its directory is complete; the trainer and the evaluator only ever receive its URL. Like the
-checkpoint manifest (:mod:`trainer.checkpoint.manifest`), it is written by ``write_manifest(url,
-manifest)`` and read by ``read_manifest(url)``, which returns None when there is none;
-:func:`require_manifest` is the read for callers that cannot go on without one.
+A card lists a prepared dataset's shards (with sizes and sha256), its split totals, its tokenizer
+and what filtering dropped. It is written last, after every shard and the tokenizer, so its presence
+means the dataset under its directory is complete; the trainer and the evaluator only ever receive
+its URL. Like the checkpoint's commit record (:mod:`trainer.checkpoint.commit`), it is written by
+``write_card(url, card)`` and read by ``read_card(url)``, which returns None when there is none;
+:func:`require_card` is the read for callers that cannot go on without one. The file keeps its name
+``manifest.json`` (and a mixture's sources their ``manifest`` key) so existing stores stay readable.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from trainer.data.errors import DataError
 from trainer.storage import StoreNotFound, join, read, write_atomic
 
-MANIFEST = "manifest.json"
+CARD_FILE = "manifest.json"
 TOKENIZER = "tokenizer.json"
 FORMAT_VERSION = 2  # 2: shards live in per-part directories shared between dataset versions
 Split = Literal["train", "val"]
@@ -27,7 +29,7 @@ TokenDtype = Literal["uint16", "int32"]
 class ShardInfo(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    name: str = Field(description="File name relative to the manifest's directory.")
+    name: str = Field(description="File name relative to the card's directory.")
     split: Split
     samples: int
     tokens: int
@@ -55,7 +57,7 @@ class FilterReport(BaseModel):
     too_long: int = 0
 
 
-class DatasetManifest(BaseModel):
+class DatasetCard(BaseModel):
     format_version: int = FORMAT_VERSION
     fingerprint: str = Field(description="Hash of every input; the dataset's directory name.")
     inputs: dict[str, Any] = Field(description="What was hashed into the fingerprint, for humans.")
@@ -82,7 +84,7 @@ class DatasetManifest(BaseModel):
         return [shard for shard in self.shards if shard.split == split]
 
     def url_of(self, name: str) -> str:
-        """Absolute URL of a file named relative to the manifest's directory (shards, tokenizer)."""
+        """Absolute URL of a file named relative to the card's directory (shards, tokenizer)."""
         return resolve(self._base_url, name)
 
 
@@ -94,38 +96,38 @@ def resolve(base_url: str, name: str) -> str:
     return join(base_url, name)
 
 
-def write_manifest(dataset_url: str, manifest: DatasetManifest) -> str:
-    """Write ``manifest`` into the dataset directory ``dataset_url`` atomically; returns its URL."""
-    url = join(dataset_url, MANIFEST)
-    write_atomic(url, manifest.model_dump_json(indent=2).encode())
+def write_card(dataset_url: str, card: DatasetCard) -> str:
+    """Write ``card`` into the dataset directory ``dataset_url`` atomically; returns its URL."""
+    url = join(dataset_url, CARD_FILE)
+    write_atomic(url, card.model_dump_json(indent=2).encode())
     return url
 
 
-def read_manifest(url: str) -> DatasetManifest | None:
-    """The manifest at ``url`` (the manifest file itself, or the dataset directory holding it), or
+def read_card(url: str) -> DatasetCard | None:
+    """The card at ``url`` (the card file itself, or the dataset directory holding it), or
     None when there is none (not prepared, or preparation has not finished)."""
-    url = _manifest_url(url)
+    url = _card_url(url)
     try:
         data = read(url)
     except StoreNotFound:
         return None
     try:
-        manifest = DatasetManifest.model_validate(json.loads(data))
+        card = DatasetCard.model_validate(json.loads(data))
     except ValueError as error:
-        raise DataError(f"{url!r} is not a tessera dataset manifest ({error})") from error
-    manifest._base_url = url.rstrip("/").rsplit("/", 1)[0] if "/" in url.rstrip("/") else "."
-    return manifest
+        raise DataError(f"{url!r} is not a tessera dataset card ({error})") from error
+    card._base_url = url.rstrip("/").rsplit("/", 1)[0] if "/" in url.rstrip("/") else "."
+    return card
 
 
-def require_manifest(url: str) -> DatasetManifest:
-    """:func:`read_manifest`, for callers that need the dataset: a missing manifest is a DataError."""
-    manifest = read_manifest(url)
-    if manifest is None:
+def require_card(url: str) -> DatasetCard:
+    """:func:`read_card`, for callers that need the dataset: a missing card is a DataError."""
+    card = read_card(url)
+    if card is None:
         raise DataError(
-            f"no dataset manifest at {_manifest_url(url)!r}; run data preparation first (or fix data_url)"
+            f"no dataset card at {_card_url(url)!r}; run data preparation first (or fix data_url)"
         )
-    return manifest
+    return card
 
 
-def _manifest_url(url: str) -> str:
-    return url if url.rstrip("/").endswith(MANIFEST) else join(url, MANIFEST)
+def _card_url(url: str) -> str:
+    return url if url.rstrip("/").endswith(CARD_FILE) else join(url, CARD_FILE)

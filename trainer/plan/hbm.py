@@ -1,4 +1,4 @@
-"""Memory per chip: model states, activations and transient buffers, against the chip's HBM.
+"""HBM per chip: model states, activations and transient buffers, against the chip's HBM (the planner's memory model).
 
 Model states (ZeRO accounting, Rajbhandari et al. 2020, §3.1): mixed-precision Adam costs
 16 bytes/param — 2 (fp16 weights) + 2 (fp16 grads) + K=12 (fp32 master weights, momentum,

@@ -1,4 +1,4 @@
-"""The in-memory checkpoint tier: every rank's latest state in host memory, and a copy on a peer node.
+"""The host-RAM checkpoint tier: every rank's latest state in host memory (tmpfs), and a copy on a peer node.
 
 Every ``memory_interval_steps`` each rank writes its own shard of the training state (model and
 optimizer shards, RNG, loader position, step) to a file in a tmpfs directory (``/dev/shm``), then a
