@@ -49,7 +49,7 @@ def torchrun_command(
 ) -> list[str]:
     """argv for one torchrun agent; ``rdzv_endpoint`` (host:port) is required when ``nnodes > 1``.
 
-    ``entry`` replaces what the workers run (default: ``-m trainer.train --spec JOB --run-dir DIR``).
+    ``entry`` replaces what the workers run (default: ``-m trainer.train --job JOB --run-dir DIR``).
     ``min_nodes`` makes the job elastic (``--nnodes=MIN:MAX``): a lost node is noticed after three missed
     heartbeats (``replacement_wait_s`` in all), then the survivors wait ``replacement_wait_s`` for a
     replacement (torch's ``last_call_timeout``) before continuing without it. ``warm_restart`` runs the
@@ -80,7 +80,7 @@ def torchrun_command(
             heartbeat = max(1, replacement_wait_s // 3)
             cmd.append(f"--rdzv-conf=last_call_timeout={replacement_wait_s},keep_alive_interval={heartbeat}")
     if entry is None:
-        entry = ["-m", "trainer.train", "--spec", str(job_json), "--run-dir", str(run_dir)]
+        entry = ["-m", "trainer.train", "--job", str(job_json), "--run-dir", str(run_dir)]
     if warm_restart:
         entry = ["-m", FORK_CLIENT, *entry]
     return [*cmd, *entry]
