@@ -128,6 +128,16 @@ def open_session(job: JobConfig) -> Session:
         "loader": loader,
     }
     faults = FaultInjector.from_env()
+    ckpt, memory = checkpoint_tiers(job, rank, world, faults)
+    watch = PreemptionWatch(device)
+    return Session(job, rank, device, model, optimizers, loader, state, ckpt, memory, faults, watch, replicas)
+
+
+def checkpoint_tiers(
+    job: JobConfig, rank: int, world: int, faults: FaultInjector
+) -> tuple[CheckpointManager, HostMemoryTier | None]:
+    """This rank's storage checkpoints, and its host-memory tier unless ``checkpoint.memory_interval``
+    is 'off', at the location and cadences the resolved job names."""
     assert job.checkpoint.url is not None and job.checkpoint_interval_steps is not None, (
         "require_resolved first"
     )
@@ -141,18 +151,17 @@ def open_session(job: JobConfig) -> Session:
         layout=job.parallel.model_dump(),
         faults=faults,
     )
-    memory = None
-    if job.memory_interval_steps is not None:
-        memory = HostMemoryTier(
-            memory_directory(job),
-            job.memory_interval_steps,
-            rank,
-            world,
-            job.hardware.chips_per_node,
-            job.faults.collective_timeout_s,
-        )
-    watch = PreemptionWatch(device)
-    return Session(job, rank, device, model, optimizers, loader, state, ckpt, memory, faults, watch, replicas)
+    if job.memory_interval_steps is None:
+        return ckpt, None
+    memory = HostMemoryTier(
+        memory_directory(job),
+        job.memory_interval_steps,
+        rank,
+        world,
+        job.hardware.chips_per_node,
+        job.faults.collective_timeout_s,
+    )
+    return ckpt, memory
 
 
 def restore(session: Session) -> tuple[int, str]:
