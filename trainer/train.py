@@ -9,6 +9,9 @@ Every way to run it is the same module under a launcher::
         --rdzv-endpoint HOST0:29400 --rdzv-id RUN -m trainer.train --job job.json --run-dir DIR
     # Kubernetes: the same command in every pod of the rendered job (deployments/templates)
 
+``--job`` is the resolved job a Run writes (``DIR/job.json``; :mod:`trainer.job`): every rank reads its
+checkpoint location, cadences and FLOPs per step from it and plans nothing itself.
+
 Outputs in the run directory: ``metrics.jsonl`` (the loss curve), ``checkpoints/`` (unless
 ``checkpoint.url`` points elsewhere), ``status.json`` once the last step is checkpointed, and with
 ``parallel.compile`` Inductor's cache ``compile_cache/`` (unless ``TORCHINDUCTOR_CACHE_DIR`` names one).

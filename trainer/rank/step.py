@@ -76,6 +76,7 @@ class TrainStep:
     def __call__(
         self, step: int, inputs: torch.Tensor, targets: torch.Tensor, clock: PhaseClock
     ) -> StepOutput:
+        """Train ``step`` on this rank's slice of the global batch; ``clock`` times its phases."""
         loss = self.forward_backward(inputs, targets)
         while self.replicas is not None and not self.replicas.average(self.model.parts, loss):
             for optimizer in self.optimizers:  # a replica was lost mid-step: this batch again
@@ -90,9 +91,8 @@ class TrainStep:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-        after_optimizer_step(
-            self.model.parts, self.model.mesh
-        )  # per-step module state, e.g. MoE routing bias
+        # Per-step module state, e.g. the MoE routing bias.
+        after_optimizer_step(self.model.parts, self.model.mesh)
         clock.lap("optimizer")
         return StepOutput(loss_value, grad_norm, lr)
 
