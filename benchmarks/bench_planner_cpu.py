@@ -39,10 +39,12 @@ from trainer.config import (
     ParallelConfig,
     TrainConfig,
 )
+from trainer.job import resolve_job
 from trainer.metrics import read_metrics
 from trainer.plan import make_plan
 from trainer.plan.calibrate import calibrate
 from trainer.plan.profile import load_profile
+from trainer.rundir import RunDir
 from trainer.runtime.launch import launch_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,8 +110,8 @@ def measured_step_s(job: JobConfig, work: Path) -> float:
     """Median step time after warm-up of ``python -m trainer.train`` under torchrun."""
     work.mkdir(parents=True)
     job_json = work / "job.json"
-    job_json.write_text(job.model_dump_json())
     run_dir = work / "run"
+    job_json.write_text(resolve_job(job, RunDir(run_dir)).model_dump_json())
     cmd = torchrun_command(job_json, run_dir, job.hardware.chips_per_node)
     done = subprocess.run(cmd, env=launch_env(job), cwd=REPO, capture_output=True, text=True)
     if done.returncode:

@@ -29,9 +29,9 @@ from deployments.run import Run
 from deployments.spec import TrainingSpec
 from trainer.config import JobConfig
 from trainer.metrics import read_metrics
+from trainer.rank.step import PhaseClock
 from trainer.rundir import RunDir
 from trainer.runtime.launch import launch_env, torchrun_command
-from trainer.train import PhaseClock
 
 STEPS, WARMUP = 12, 3  # the first steps pay for allocator growth and lazy init on both sides
 NPROC = 2

@@ -59,15 +59,15 @@ def test_a_second_process_reuses_the_compiled_graphs_and_both_count_their_compil
     assert second.get("autograd_cache_bypass", 0) == 0, second  # the whole block's graph is cacheable
 
 
-def test_a_compiled_runs_metrics_carry_the_compile_seconds() -> None:
+def test_a_compiled_runs_metrics_carry_the_compile_seconds(tmp_path: Path) -> None:
     import torch
 
     from deployments.spec import TrainingSpec
+    from trainer.job import resolve_job
     from trainer.train import StepTelemetry
 
-    job = TrainingSpec.model_validate({"name": "compile-metrics", "model": {"preset": "tiny"}}).job_config(
-        None
-    )
+    spec = TrainingSpec.model_validate({"name": "compile-metrics", "model": {"preset": "tiny"}})
+    job = resolve_job(spec.job_config(None), RunDir(tmp_path))
     compiled = job.model_copy(update={"parallel": job.parallel.model_copy(update={"compile": True})})
     cpu = torch.device("cpu")
     eager_line = StepTelemetry(job, cpu, rank=1).record(1, 2.0, 1e-3, 1.0, 0.5, [])

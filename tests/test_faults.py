@@ -49,6 +49,7 @@ from trainer.data.errors import DataError
 from trainer.data.fetch import decode_shard
 from trainer.data.shards import TOKENS_EXT
 from trainer.failures import EXIT_HANG, EXIT_INFRA, UserError, classify_exit, is_infra_error
+from trainer.job import resolve_job
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.rundir import RunDir
 from trainer.runtime.agents import agent_workers, kill_agent, start_agent, worker_pid
@@ -128,12 +129,12 @@ class Agent:
 def launch(job: JobConfig, run_dir: Path, env: dict[str, str], entry: list[str] | None = None) -> list[Agent]:
     """Two agents, one rank each, in one fresh c10d rendezvous on 127.0.0.1.
 
-    The job file is written unresolved, so that fault_finish.py's reference run, with the same job in
-    another directory, gets checkpoints of its own.
+    The job file is the job resolved for ``run_dir``, as a Run writes it (fault_finish.py moves its
+    reference run's checkpoints to a directory of their own).
     """
     job_json = RunDir(run_dir).job
     run_dir.mkdir(parents=True, exist_ok=True)
-    job_json.write_text(job.model_dump_json(indent=2))
+    job_json.write_text(resolve_job(job, RunDir(run_dir)).model_dump_json(indent=2))
     endpoint = f"127.0.0.1:{free_port()}"
     return [
         Agent(

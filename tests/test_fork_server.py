@@ -169,7 +169,7 @@ def test_socket_path_falls_back_to_tmp_when_too_long(tmp_path: Path) -> None:
 def test_warm_restart_puts_the_client_before_the_entry(tmp_path: Path) -> None:
     job = str(tmp_path / "job.json")
     command = torchrun_command(Path(job), tmp_path, 2, warm_restart=True)
-    entry = ["-m", "trainer.train", "--spec", job, "--run-dir", str(tmp_path)]
+    entry = ["-m", "trainer.train", "--job", job, "--run-dir", str(tmp_path)]
     assert command[-8:] == ["-m", "trainer.runtime.fork_client", *entry]
     assert torchrun_command(Path(job), tmp_path, 2)[-6:] == entry
 

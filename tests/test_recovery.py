@@ -147,7 +147,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     job = TrainingSpec.model_validate(SPEC).job_config(data_url=None)
     run_dir.mkdir()
     job_json = RunDir(run_dir).job
-    job_json.write_text(job.model_dump_json(indent=2))  # unresolved: the reference gets its own locations
+    job_json.write_text(resolve_job(job, RunDir(run_dir)).model_dump_json(indent=2))  # as a Run writes it
     memory_dirs = [memory_directory(resolve_job(job, RunDir(d))) for d in (run_dir, reference_dir)]
     entry = [str(FINISH), str(job_json), str(run_dir), str(reference_dir)]
     command = torchrun_command(

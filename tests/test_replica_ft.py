@@ -41,6 +41,7 @@ from deployments.run import Run
 from deployments.spec import SpecError, TrainingSpec, parse_spec
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import MICRO_MODEL
+from trainer.job import resolve_job
 from trainer.metrics import read_metrics
 from trainer.replicas import LIGHTHOUSE_ENV, replica_job, replica_run_dir
 from trainer.rundir import RunDir
@@ -104,7 +105,7 @@ def run_replicas(tmp: Path, fault_env: dict[int, dict[str, str]], spec: dict[str
     """Both replica groups under one Lighthouse until they exit. ``back``, the file a held survivor
     waits for, appears once the survivor logged step ``HOLD_AT - 1`` (so it holds, asking for no
     quorum) and the Lighthouse has a quorum request: the restarted replica's."""
-    job = TrainingSpec.model_validate(spec).job_config(None)
+    job = resolve_job(TrainingSpec.model_validate(spec).job_config(None), RunDir(tmp))
     tmp.mkdir(parents=True, exist_ok=True)
     job_json = RunDir(tmp).job
     job_json.write_text(job.model_dump_json(indent=2))
@@ -226,7 +227,7 @@ def assert_survived_and_healed(faulted: ReplicaRun, steps: int, tmp: Path) -> tu
     assert curve(healed) == curve(survivor[rejoin:]), "the replicas disagree after the heal"
     (weights, position), (peer_weights, peer_position) = (
         final_state(RunDir(faulted.run_dir).checkpoints / f"step-{steps:06d}", tmp),
-        final_state(replica_run_dir(faulted.run_dir, 1) / f"checkpoints-replica-1/step-{steps:06d}", tmp),
+        final_state(Path(f"{RunDir(faulted.run_dir).checkpoints}-replica-1") / f"step-{steps:06d}", tmp),
     )
     assert weights.keys() == peer_weights.keys()
     assert [name for name in weights if not torch.equal(weights[name], peer_weights[name])] == []
@@ -321,7 +322,7 @@ def test_a_replica_whose_peers_never_come_trains_alone_after_the_collective_time
         "checkpoint": {**SPEC["checkpoint"], "interval": 4},
         "faults": {**SPEC["faults"], "collective_timeout_s": ALONE_TIMEOUT_S},
     }
-    job = TrainingSpec.model_validate(spec).job_config(None)
+    job = resolve_job(TrainingSpec.model_validate(spec).job_config(None), RunDir(tmp_path))
     job_json = RunDir(tmp_path).job
     job_json.write_text(job.model_dump_json())
     env = launch_env(job) | {"OMP_NUM_THREADS": "1"}
@@ -348,10 +349,10 @@ def test_spec_refuses_replica_fault_tolerance_without_replicas_or_with_cp() -> N
     assert TrainingSpec.model_validate(SPEC).faults.replica_fault_tolerance
 
 
-def test_a_replica_groups_metrics_count_its_share_and_the_replicas_that_took_part() -> None:
+def test_a_replica_groups_metrics_count_its_share_and_the_replicas_that_took_part(tmp_path: Path) -> None:
     """Each replica group computes half the global batch on its own chips: its MFU is that half against
     its chips' peak, and the run's throughput counts only the replicas a step averaged."""
-    job = replica_job(TrainingSpec.model_validate(SPEC).job_config(None), 1)
+    job = replica_job(resolve_job(TrainingSpec.model_validate(SPEC).job_config(None), RunDir(tmp_path)), 1)
     cpu = torch.device("cpu")
     alone, share = StepTelemetry(job, cpu, rank=1), StepTelemetry(job, cpu, rank=1, replicas=2)
     whole = alone.record(7, 2.0, 1e-3, 1.0, 0.5, [])

@@ -362,7 +362,7 @@ def test_classify_exit_codes_without_torchrun() -> None:
 def test_torchrun_command_standalone_and_multi_node(tmp_path: Path) -> None:
     single = torchrun_command(tmp_path / "job.json", tmp_path, 2, max_restarts=1)
     assert "--standalone" in single and "--max-restarts=1" in single
-    assert single[-5:] == ["trainer.train", "--spec", str(tmp_path / "job.json"), "--run-dir", str(tmp_path)]
+    assert single[-5:] == ["trainer.train", "--job", str(tmp_path / "job.json"), "--run-dir", str(tmp_path)]
     multi = torchrun_command(
         tmp_path / "job.json",
         tmp_path,

@@ -638,6 +638,12 @@ class JobConfig(Strict):
         description="Resolved in-memory snapshot interval (the planner fills it for checkpoint.memory_interval "
         "'auto'); None: the in-memory tier is off.",
     )
+    flops_per_step: float | None = Field(
+        None,
+        gt=0,
+        description="Model FLOPs of one global batch (the planner's), which each rank's MFU divides by; "
+        "resolved with the job, so that no rank builds a plan.",
+    )
 
     @model_validator(mode="after")
     def _check_layout(self) -> JobConfig:

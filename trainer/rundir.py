@@ -34,7 +34,7 @@ class RunDir:
 
     @property
     def job(self) -> Path:
-        """``job.json``: the trainer's resolved job, what ``python -m trainer.train --spec`` reads."""
+        """``job.json``: the trainer's resolved job, what ``python -m trainer.train --job`` reads."""
         return self.path / "job.json"
 
     @property

@@ -3,11 +3,14 @@
 Every way to run it is the same module under a launcher::
 
     # one host, 2 processes (what `tessera train SPEC --run-dir DIR` runs after writing DIR/job.json)
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.train --spec DIR/job.json --run-dir DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m trainer.train --job DIR/job.json --run-dir DIR
     # several hosts (or several agents on 127.0.0.1): one agent per host, one shared rendezvous
     python -m torch.distributed.run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST0:29400 --rdzv-id RUN -m trainer.train --spec job.json --run-dir DIR
+        --rdzv-endpoint HOST0:29400 --rdzv-id RUN -m trainer.train --job job.json --run-dir DIR
     # Kubernetes: the same command in every pod of the rendered job (deployments/templates)
+
+``--job`` is the resolved job a Run writes (``DIR/job.json``; :mod:`trainer.job`): every rank reads its
+checkpoint location, cadences and FLOPs per step from it and plans nothing itself.
 
 Outputs in the run directory: ``metrics.jsonl`` (the loss curve), ``checkpoints/`` (unless
 ``checkpoint.url`` points elsewhere), ``status.json`` once the last step is checkpointed, and with
@@ -20,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -54,15 +56,14 @@ from trainer.failures import (
     restarted_after_user_error,
 )
 from trainer.goodput_log import GoodputRecorder, process_started_at
-from trainer.job import resolve_job
+from trainer.job import require_resolved
 from trainer.metrics import MetricsWriter, mirror_of
 from trainer.parallel import ParallelModel, build_parallel_model
 from trainer.parallel.compile import compile_seconds, use_compile_cache
-from trainer.plan import plan_for_job
 from trainer.rank.fault_injection import FaultInjector
-from trainer.rank.optim import build_optimizer, build_scheduler
+from trainer.rank.optim import build_optimizer
 from trainer.rank.preemption import Preempted, PreemptionWatch
-from trainer.rank.step_hooks import after_optimizer_step
+from trainer.rank.step import PhaseClock, TrainStep
 from trainer.rank.telemetry import gather_host_times, peak_memory_bytes, straggler_fields
 from trainer.rank.watchdog import StepWatchdog
 from trainer.rundir import RunDir
@@ -130,7 +131,19 @@ def open_session(job: JobConfig) -> Session:
         "loader": loader,
     }
     faults = FaultInjector.from_env()
-    assert job.checkpoint.url is not None and job.checkpoint_interval_steps is not None, "resolve_job first"
+    ckpt, memory = checkpoint_tiers(job, rank, world, faults)
+    watch = PreemptionWatch(device)
+    return Session(job, rank, device, model, optimizers, loader, state, ckpt, memory, faults, watch, replicas)
+
+
+def checkpoint_tiers(
+    job: JobConfig, rank: int, world: int, faults: FaultInjector
+) -> tuple[CheckpointManager, HostMemoryTier | None]:
+    """This rank's storage checkpoints, and its host-memory tier unless ``checkpoint.memory_interval``
+    is 'off', at the location and cadences the resolved job names."""
+    assert job.checkpoint.url is not None and job.checkpoint_interval_steps is not None, (
+        "require_resolved first"
+    )
     ckpt = CheckpointManager(
         job.checkpoint.url,
         job.checkpoint,
@@ -141,18 +154,17 @@ def open_session(job: JobConfig) -> Session:
         layout=job.parallel.model_dump(),
         faults=faults,
     )
-    memory = None
-    if job.memory_interval_steps is not None:
-        memory = HostMemoryTier(
-            memory_directory(job),
-            job.memory_interval_steps,
-            rank,
-            world,
-            job.hardware.chips_per_node,
-            job.faults.collective_timeout_s,
-        )
-    watch = PreemptionWatch(device)
-    return Session(job, rank, device, model, optimizers, loader, state, ckpt, memory, faults, watch, replicas)
+    if job.memory_interval_steps is None:
+        return ckpt, None
+    memory = HostMemoryTier(
+        memory_directory(job),
+        job.memory_interval_steps,
+        rank,
+        world,
+        job.hardware.chips_per_node,
+        job.faults.collective_timeout_s,
+    )
+    return ckpt, memory
 
 
 def restore(session: Session) -> tuple[int, str]:
@@ -180,10 +192,10 @@ def restore(session: Session) -> tuple[int, str]:
 def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
     """Train ``job`` to ``job.train.steps`` on the current torchrun process group, resuming if possible.
 
-    The job is resolved here (a no-op for the ``job.json`` a Run wrote; see :mod:`trainer.job`), so a
-    hand-written job file or a library caller gets the same checkpoint location and cadence.
+    ``job`` is trusted as resolved (:func:`trainer.job.resolve_job`, which a Run applies before it
+    writes ``job.json``): its checkpoint location, cadences and FLOPs per step are read, never planned.
     """
-    job = resolve_job(job, run_dir)
+    require_resolved(job)
     if job.parallel.compile:  # a retry or resume finds the graphs its first attempt compiled
         use_compile_cache(run_dir.compile_cache)
     session = open_session(job)
@@ -216,97 +228,73 @@ def train(job: JobConfig, run_dir: RunDir) -> TrainResult:
 
 
 def run_steps(session: Session, start: int, run_dir: RunDir, goodput: GoodputRecorder) -> float | None:
-    """Steps ``start + 1`` .. ``train.steps``: each trained, logged on log steps, and checkpointed on
-    the interval and at the end; each step's and save's wall time goes to ``goodput``. Returns the last
-    step's loss (None if there was no step to run)."""
-    job, model = session.job, session.model
-    schedulers = [
-        build_scheduler(opt, job.optimizer, job.train.steps, steps_done=start) for opt in session.optimizers
-    ]
-    n_micro = session.loader.local_batch // job.train.micro_batch_size
-    replicas = session.replicas
-    telemetry = StepTelemetry(job, session.device, session.rank, replicas.replicas if replicas else 1)
-    loss_value = None
+    """Steps ``start + 1`` .. ``train.steps``: each trained by a :class:`TrainStep`, logged on log steps,
+    then saved (:func:`save_step`). Returns the last step's loss (None if there was no step to run)."""
+    job, rank, replicas = session.job, session.rank, session.replicas
+    micro_batches = session.loader.local_batch // job.train.micro_batch_size
+    train_step = TrainStep(
+        job, session.model, session.optimizers, micro_batches, start, session.faults, replicas
+    )
+    telemetry = StepTelemetry(job, session.device, rank, replicas.replicas if replicas else 1)
     metrics = MetricsWriter(
         run_dir.metrics,
         resumed_step=start,
-        enabled=session.rank == 0,
+        enabled=rank == 0,
         mirror_url=mirror_of(run_dir.metrics, job.run_url),
     )
-    watchdog = StepWatchdog(job.faults.step_timeout_s, session.rank, job.faults.collective_timeout_s)
+    watchdog = StepWatchdog(job.faults.step_timeout_s, rank, job.faults.collective_timeout_s)
+    loss = None
     with watchdog, metrics:
         for step in range(start + 1, job.train.steps + 1):
             watchdog.arm(step)
             began, began_wall = time.perf_counter(), time.time()
-            session.faults.before_step(step, session.rank, job.parallel.world_size)
+            session.faults.before_step(step, rank, job.parallel.world_size)
             clock = PhaseClock(began)
             inputs, targets = next(session.loader)
             clock.lap("data")
             logged = step % job.train.log_every == 0 or step == job.train.steps
             host_times = telemetry.host_times(began) if logged else []
             clock.lap("telemetry")
-            loss = _forward_backward(model, inputs, targets, n_micro, first=step == start + 1)
-            while replicas is not None and not replicas.average(model.parts, loss):
-                for optimizer in session.optimizers:  # a replica was lost mid-step: this batch again
-                    optimizer.zero_grad(set_to_none=True)
-                loss = _forward_backward(model, inputs, targets, n_micro, first=False)
-            loss_value = _finite(session.faults.loss(step, loss).item(), step, job)
-            clock.lap("forward_backward")
-            grad_norm = model.clip_grad_norm_(job.optimizer.grad_clip or math.inf).item()  # inf: never clip
-            clock.lap("clip")
-            lr = session.optimizers[0].param_groups[0]["lr"]
-            for optimizer, scheduler in zip(session.optimizers, schedulers, strict=True):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-            after_optimizer_step(model.parts, model.mesh)  # per-step module state, e.g. MoE routing bias
-            clock.lap("optimizer")
+            out = train_step(step, inputs, targets, clock)
+            loss = out.loss
             if logged:
+                step_time = time.perf_counter() - began
+                participants = replicas.participants() if replicas else None
+                line = telemetry.record(
+                    step, loss, out.lr, out.grad_norm, step_time, host_times, participants
+                )
                 metrics.write(
-                    telemetry.record(
-                        step,
-                        loss_value,
-                        lr,
-                        grad_norm,
-                        time.perf_counter() - began,
-                        host_times,
-                        replicas.participants() if replicas else None,
-                    )
-                    | telemetry.tokens_by_source(session.loader.source_samples())
-                    | clock.seconds
+                    line | telemetry.tokens_by_source(session.loader.source_samples()) | clock.seconds
                 )
             # A checkpoint write may legitimately outlast a step; the collective timeout bounds it.
             watchdog.disarm()
-            meta = {"tokens": step * telemetry.tokens_per_step, "loss": loss_value}
-            stop = session.preemption.agreed()
-            saving = time.time()
-            goodput.step(step, began_wall, saving)
-            force = step == job.train.steps or stop
-            session.ckpt.maybe_save(step, session.state, meta=meta, force=force, last_step=job.train.steps)
-            if force or step % session.ckpt.interval_steps == 0:
-                goodput.checkpoint(step, saving, time.time())
-            if session.memory is not None:
-                snapping = time.time()
-                session.memory.maybe_snapshot(step, session.state)  # blocked: memory.last_stall_s
-                if step % session.memory.interval_steps == 0:
-                    goodput.snapshot(step, snapping, time.time())
-            if stop:
-                raise Preempted(step)
-    return loss_value
+            save_step(
+                session, step, {"tokens": step * telemetry.tokens_per_step, "loss": loss}, began_wall, goodput
+            )
+    return loss
 
 
-class PhaseClock:
-    """Seconds spent in each phase of one step (``data_s``, ``forward_backward_s``, ...), written with
-    the step's metrics so that a slow step, or a regression in a benchmark, names the phase it is in."""
-
-    def __init__(self, began: float) -> None:
-        self.last = began
-        self.seconds: dict[str, float] = {}
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[f"{phase}_s"] = now - self.last
-        self.last = now
+def save_step(
+    session: Session, step: int, meta: dict[str, float], began_wall: float, goodput: GoodputRecorder
+) -> None:
+    """Checkpoint ``step`` on the interval, at the end or when every rank agreed to stop, and snapshot
+    it to host memory on the memory tier's interval, each timed for goodput; then stop if preempted
+    (the step is committed, so a retry resumes right after it)."""
+    stop = session.preemption.agreed()
+    saving = time.time()
+    goodput.step(step, began_wall, saving)
+    last = session.job.train.steps
+    force = step == last or stop
+    session.ckpt.maybe_save(step, session.state, meta=meta, force=force, last_step=last)
+    if force or step % session.ckpt.interval_steps == 0:
+        goodput.checkpoint(step, saving, time.time())
+    if session.memory is not None:
+        snapping = time.time()
+        session.memory.maybe_snapshot(step, session.state)  # blocked: memory.last_stall_s
+        if step % session.memory.interval_steps == 0:
+            goodput.snapshot(step, snapping, time.time())
+    if stop:
+        raise Preempted(step)
 
 
 class StepTelemetry:
@@ -320,7 +308,8 @@ class StepTelemetry:
         self.device, self.rank, self.replicas = device, rank, replicas
         self.tokens_per_step = job.train.global_batch_size * job.train.seq_len
         self.seq_len = job.train.seq_len
-        self.flops_per_step = plan_for_job(job).flops_per_step / replicas
+        assert job.flops_per_step is not None, "a resolved job (trainer.job.resolve_job)"
+        self.flops_per_step = job.flops_per_step / replicas
         self.peak_flops = job.parallel.world_size * get_chip(job.hardware.chip).peak_bf16_flops
         self.world_size = job.parallel.world_size  # an elastic job's shrinks show in its metrics
         self.compiled = job.parallel.compile
@@ -366,30 +355,6 @@ class StepTelemetry:
         return {"tokens_by_source": {name: n * self.seq_len for name, n in source_samples.items()}}
 
 
-def _finite(loss: float, step: int, job: JobConfig) -> float:
-    if not math.isfinite(loss):
-        raise UserError(
-            f"loss is {loss} at step {step}; lower optimizer.lr (now {job.optimizer.lr:g}), "
-            f"raise optimizer.warmup_steps, or check the data around step {step}"
-        )
-    return loss
-
-
-def _forward_backward(
-    model: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, n_micro: int, first: bool
-) -> torch.Tensor:
-    """One step's loss; out of memory on the first step is the job's size, not the machine's fault."""
-    try:
-        return model.forward_backward(inputs, targets, n_micro)
-    except torch.OutOfMemoryError as exc:
-        if not first:
-            raise
-        raise UserError(
-            "out of memory on the first step; lower train.micro_batch_size, enable "
-            "parallel.activation_checkpointing, or shard more (parallel.dp_shard / tp / pp)"
-        ) from exc
-
-
 def load_job(path: Path) -> JobConfig:
     try:
         return JobConfig.model_validate_json(path.read_text())
@@ -410,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--spec", type=Path, required=True, help="JobConfig JSON (tessera train writes it).")
+    parser.add_argument(
+        "--job", type=Path, required=True, help="The resolved JobConfig JSON (a Run writes it: job.json)."
+    )
     parser.add_argument("--run-dir", type=Path, required=True, help="Stable run directory; reused to resume.")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -423,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: [rank {rank}] {previous}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     try:
-        result = train(load_job(args.spec), run_dir)
+        result = train(load_job(args.job), run_dir)
     except Preempted as exc:  # the step that was running is committed: a retry resumes right there
         print(f"[rank {rank}] {exc}", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED

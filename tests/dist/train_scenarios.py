@@ -1,7 +1,8 @@
 """torchrun worker (2 processes, gloo): several training runs in one launch, run by tests/test_train.py.
 
 argv: JOB_JSON BASE_DIR RESULT_JSON. BASE_DIR/from4 already holds a 4-process run's step-4 checkpoint.
-Runs, in order, each with ``trainer.train.train`` in these same processes:
+Runs, in order, each with ``trainer.train.train`` in these same processes, the job resolved for its
+directory as a Run resolves it:
 
 - ``a`` and ``b``: the same job into two directories (determinism);
 - ``from4``: resumes the 4-process checkpoint on 2 processes (DCP resharding) and finishes;
@@ -24,14 +25,20 @@ import torch.distributed as dist
 from trainer.checkpoint import CheckpointError
 from trainer.config import JobConfig
 from trainer.failures import UserError
+from trainer.job import resolve_job
 from trainer.rundir import RunDir
 from trainer.train import train
+
+
+def train_in(job: JobConfig, run_dir: Path) -> None:
+    """Train ``job`` resolved for ``run_dir``, as a Run would write it there."""
+    train(resolve_job(job, RunDir(run_dir)), RunDir(run_dir))
 
 
 def attempt(job: JobConfig, run_dir: Path) -> str | None:
     """The user-error message of a run that must fail, or None if it (wrongly) succeeded."""
     try:
-        train(job, RunDir(run_dir))
+        train_in(job, run_dir)
     except (UserError, CheckpointError) as exc:
         return str(exc)
     return None
@@ -40,9 +47,9 @@ def attempt(job: JobConfig, run_dir: Path) -> str | None:
 def main() -> None:
     job = JobConfig.model_validate_json(Path(sys.argv[1]).read_text())
     base, result_path = Path(sys.argv[2]), Path(sys.argv[3])
-    train(job, RunDir(base / "a"))
-    train(job, RunDir(base / "b"))
-    train(job, RunDir(base / "from4"))
+    train_in(job, base / "a")
+    train_in(job, base / "b")
+    train_in(job, base / "from4")
 
     errors: dict[str, str | None] = {}
     os.environ["TESSERA_FAULT_NAN_AT_STEP"] = "5"

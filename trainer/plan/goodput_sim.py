@@ -227,65 +227,96 @@ def simulate(
     if math.isinf(until_s) and until_steps is None:
         raise ValueError("give until_s or until_steps")
     draws = failure_draws(model, cluster.chips, seed)
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
-    failures = {"own memory": 0, "peer memory": 0, "storage": 0, "spare": 0, "waited": 0}
-    repairs: list[float] = []  # when each node in repair returns to the spare pool
-    t = seconds["startup"] = cluster.startup_s
-    step = stored = snapped = computed = 0  # kept; newest in storage; newest in memory; ever trained
-    trace = [(t, 0)]
+    run = _Timeline(cluster)
     target = until_steps if until_steps is not None else math.inf
-    while t < until_s and step < target:
+    while run.t < until_s and run.step < target:
         gap, category = next(draws)
-        segment = _Segment(cluster, step)
-        budget = min(gap, until_s - t)
-        limit = int(min(target - step, budget / cluster.step_s + 1))
-        done = segment.steps_within(budget, limit)
-        stalls = segment.stalls(done)
-        for name, value in stalls.items():
-            seconds[name] += value
-        if budget < gap or step + done >= target:  # no failure before the end
-            ran = segment.elapsed(done) if step + done >= target else budget
-            seconds["productive"] += done * cluster.step_s
-            seconds["recomputed"] += ran - segment.elapsed(done)  # a step cut off by the horizon
-            computed, step, t = computed + done, step + done, t + ran
-            trace.append((t, step))
+        segment = _Segment(cluster, run.step)
+        budget = min(gap, until_s - run.t)
+        done = segment.steps_within(budget, int(min(target - run.step, budget / cluster.step_s + 1)))
+        if budget < gap or run.step + done >= target:  # no failure before the end
+            run.step = run.train(
+                segment, done, segment.elapsed(done) if run.step + done >= target else budget
+            )
             break
-        stored = segment.readable(cluster.storage, done, gap, stored)
-        if cluster.memory is not None:
-            snapped = segment.readable(cluster.memory, done, gap, max(snapped, step))
-        computed += done
-        seconds["productive"] += done * cluster.step_s
-        seconds["recomputed"] += gap - segment.elapsed(done)  # the step the failure interrupted
-        t += gap
-        trace.append((t, step + done))
-        reached = step + done
-        source, step, restore_s = _recovery_source(cluster, category.lost, snapped, stored, reached)
-        failures[source] += 1
-        lost = reached - step
-        seconds["productive"] -= lost * cluster.step_s
-        seconds["recomputed"] += lost * cluster.step_s
-        detect = cluster.detect_timeout_s if category.detection == "timeout" else cluster.detect_exit_s
-        seconds["detection"] += detect
-        t += detect
-        if category.lost != "process":  # a node to replace: a spare, or wait for a repaired one
-            while repairs and repairs[0] <= t:
-                heapq.heappop(repairs)
-            heapq.heappush(repairs, t + cluster.repair_s)  # the lost node goes to repair
-            if len(repairs) > cluster.spare_nodes:  # more nodes out than spares: wait for the first back
-                waited = heapq.heappop(repairs) - t
-                seconds["waiting"] += waited
-                t += waited
-                failures["waited"] += 1
-            else:
-                failures["spare"] += 1
-            seconds["reschedule"] += cluster.reschedule_s
-            t += cluster.reschedule_s
-        seconds["restart"] += cluster.restart_s
-        seconds["restore"] += restore_s
-        t += cluster.restart_s + restore_s
-        snapped = step  # the restored state is in every rank's memory again
-        trace.append((t, step))
-    return Result(t, seconds, step, computed - step, failures, cluster.step_s, trace)
+        run.fail(segment, done, gap, category)
+    return Result(
+        run.t, run.seconds, run.step, run.computed - run.step, run.failures, cluster.step_s, run.trace
+    )
+
+
+@dataclass
+class _Timeline:
+    """The simulated job as it goes: wall clock, seconds per category, steps, failures by path, trace."""
+
+    cluster: Cluster
+    t: float = 0.0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
+    failures: dict[str, int] = field(
+        default_factory=lambda: {"own memory": 0, "peer memory": 0, "storage": 0, "spare": 0, "waited": 0}
+    )
+    repairs: list[float] = field(default_factory=list)  # when each node in repair returns to the spare pool
+    trace: list[tuple[float, int]] = field(default_factory=list)
+    step: int = 0  # kept
+    stored: int = 0  # the newest step in storage
+    snapped: int = 0  # the newest step in host memory
+    computed: int = 0  # steps ever trained, kept or lost
+
+    def __post_init__(self) -> None:
+        self.t = self.seconds["startup"] = self.cluster.startup_s
+        self.trace.append((self.t, 0))
+
+    def spend(self, category: str, seconds: float) -> None:
+        self.seconds[category] += seconds
+        self.t += seconds
+
+    def train(self, segment: _Segment, done: int, ran: float) -> int:
+        """``done`` steps of ``segment`` over ``ran`` seconds, the rest of which went to a step cut off (by
+        a failure or the horizon); returns the step reached."""
+        for name, value in segment.stalls(done).items():
+            self.seconds[name] += value
+        self.seconds["productive"] += done * self.cluster.step_s
+        self.seconds["recomputed"] += ran - segment.elapsed(done)
+        self.computed += done
+        self.t += ran
+        self.trace.append((self.t, self.step + done))
+        return self.step + done
+
+    def fail(self, segment: _Segment, done: int, gap: float, category: FailureCategory) -> None:
+        """A failure ``gap`` seconds into ``segment``: the steps since the copy it restores from are lost,
+        then detection, a node replaced (unless only processes died), the relaunch and the restore."""
+        c = self.cluster
+        self.stored = segment.readable(c.storage, done, gap, self.stored)
+        if c.memory is not None:
+            self.snapped = segment.readable(c.memory, done, gap, max(self.snapped, self.step))
+        reached = self.train(segment, done, gap)
+        source, self.step, restore_s = _recovery_source(c, category.lost, self.snapped, self.stored, reached)
+        self.failures[source] += 1
+        lost = reached - self.step
+        self.seconds["productive"] -= lost * c.step_s
+        self.seconds["recomputed"] += lost * c.step_s
+        self.spend("detection", c.detect_timeout_s if category.detection == "timeout" else c.detect_exit_s)
+        if category.lost != "process":
+            self.replace_node()
+        self.seconds["restart"] += c.restart_s
+        self.seconds["restore"] += restore_s
+        self.t += c.restart_s + restore_s
+        self.snapped = self.step  # the restored state is in every rank's memory again
+        self.trace.append((self.t, self.step))
+
+    def replace_node(self) -> None:
+        """A spare takes the lost node's place, or, with more nodes out than spares, the job waits for the
+        first one back from repair."""
+        c = self.cluster
+        while self.repairs and self.repairs[0] <= self.t:
+            heapq.heappop(self.repairs)
+        heapq.heappush(self.repairs, self.t + c.repair_s)  # the lost node goes to repair
+        if len(self.repairs) > c.spare_nodes:
+            self.spend("waiting", heapq.heappop(self.repairs) - self.t)
+            self.failures["waited"] += 1
+        else:
+            self.failures["spare"] += 1
+        self.spend("reschedule", c.reschedule_s)
 
 
 def _recovery_source(

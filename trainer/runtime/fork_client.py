@@ -1,6 +1,6 @@
 """A torchrun worker's entry with warm restarts: the worker is forked by the host's fork server.
 
-``python -m trainer.runtime.fork_client -m trainer.train --spec JOB --run-dir DIR`` (or ``SCRIPT ARGS``) asks
+``python -m trainer.runtime.fork_client -m trainer.train --job JOB --run-dir DIR`` (or ``SCRIPT ARGS``) asks
 the fork server (:mod:`trainer.runtime.fork_server`, its socket in ``$TESSERA_FORK_SOCKET``), which imported
 torch and the trainer once, to fork a worker with this process's argv, environment, working
 directory and stdin/stdout/stderr: a restarted rank skips the ~7 s of imports. This process stays

@@ -49,7 +49,7 @@ def torchrun_command(
 ) -> list[str]:
     """argv for one torchrun agent; ``rdzv_endpoint`` (host:port) is required when ``nnodes > 1``.
 
-    ``entry`` replaces what the workers run (default: ``-m trainer.train --spec JOB --run-dir DIR``).
+    ``entry`` replaces what the workers run (default: ``-m trainer.train --job JOB --run-dir DIR``).
     ``min_nodes`` makes the job elastic (``--nnodes=MIN:MAX``): a lost node is noticed after three missed
     heartbeats (``replacement_wait_s`` in all), then the survivors wait ``replacement_wait_s`` for a
     replacement (torch's ``last_call_timeout``) before continuing without it. ``warm_restart`` runs the
@@ -80,7 +80,7 @@ def torchrun_command(
             heartbeat = max(1, replacement_wait_s // 3)
             cmd.append(f"--rdzv-conf=last_call_timeout={replacement_wait_s},keep_alive_interval={heartbeat}")
     if entry is None:
-        entry = ["-m", "trainer.train", "--spec", str(job_json), "--run-dir", str(run_dir)]
+        entry = ["-m", "trainer.train", "--job", str(job_json), "--run-dir", str(run_dir)]
     if warm_restart:
         entry = ["-m", FORK_CLIENT, *entry]
     return [*cmd, *entry]
@@ -107,13 +107,6 @@ class LaunchResult:
     worker_exit_code: int  # the first failed worker's code (the contract in trainer.failures)
     kind: FailureKind
     log_tail: str
-
-
-def _drain(stream: IO[str], tail: deque[str], echo: Callable[[str], object] | None) -> None:
-    for line in stream:
-        tail.append(line)
-        if echo is not None:
-            echo(line)
 
 
 class Stopped(Exception):
@@ -144,6 +137,48 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@dataclass
+class _Agent:
+    """One torchrun agent, with a thread that keeps its output's tail (and echoes it)."""
+
+    proc: subprocess.Popen[str]
+    tail: deque[str]
+    reader: threading.Thread
+
+    @classmethod
+    def start(
+        cls, command: list[str], env: dict[str, str], run_dir: RunDir, echo: Callable[[str], object] | None
+    ) -> _Agent:
+        proc = start_agent(command, env, run_dir)
+        tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        reader = threading.Thread(target=_drain, args=(proc.stdout, tail, echo), daemon=True)
+        reader.start()
+        return cls(proc, tail, reader)
+
+    def note(self, message: str, echo: Callable[[str], object] | None) -> None:
+        """A launcher line in the agent's log tail and the run's output."""
+        line = f"tessera: {message}\n"
+        self.tail.append(line)
+        if echo is not None:
+            echo(line)
+
+    def stop(self) -> None:
+        stop_agent(self.proc)
+        self.reader.join(timeout=5)
+
+    def result(self) -> LaunchResult:
+        """The launch's outcome when this agent's failure decides it."""
+        code, log_tail = self.proc.returncode, "".join(self.tail)
+        return LaunchResult(code, worker_exit_code(code, log_tail), classify_exit(code, log_tail), log_tail)
+
+
+def _drain(stream: IO[str], tail: deque[str], echo: Callable[[str], object] | None) -> None:
+    for line in stream:
+        tail.append(line)
+        if echo is not None:
+            echo(line)
+
+
 def run_agents(
     commands: list[list[str]],
     env: dict[str, str],
@@ -157,87 +192,75 @@ def run_agents(
 
     Each agent runs in its own session, recorded in the run directory, so a tear-down can stop it
     even when this call could not. The first agent's output goes to ``echo``; ``poll`` runs about
-    once a second (the progress artifact). The first agent to fail decides the outcome and the others
-    are stopped at once, since they would otherwise wait out the collective timeout. An agent held
-    stopped (SIGSTOP) for ``stopped_after_s`` is a hang: it is killed, which reads as a node failure.
+    once a second (the progress artifact). How a failure decides the outcome: :func:`_wait`.
 
     ``elastic`` (commands with ``--nnodes=MIN:MAX``): a failed agent is a lost node, and the others
-    carry on without it; the run succeeds when an agent completes, and fails only when all have
-    failed. Every agent's output goes to ``echo``, since any of them may be the one left. The
-    rendezvous store is hosted here, not in an agent, so that any agent may die and a returning one
-    (started by whoever restores the capacity) finds it.
+    carry on without it. Every agent's output goes to ``echo``, since any of them may be the one left.
+    The rendezvous store is hosted here, not in an agent, so that any agent may die and a returning
+    one (started by whoever restores the capacity) finds it.
 
-    Commands whose workers run through :mod:`trainer.runtime.fork_client` (``faults.warm_restart``) get this
-    host's fork server, started first and stopped after the agents.
+    Commands whose workers run through :mod:`trainer.runtime.fork_client` (``faults.warm_restart``) get
+    this host's fork server, started first and stopped after the agents.
     """
-    agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]] = []
-    failed = None
-    lost: set[int] = set()
-    stopped_since: dict[int, float] = {}
+    agents: list[_Agent] = []
     store = _host_rendezvous_store(commands) if elastic else None
     server = ForkServer(run_dir.path, env) if any(FORK_CLIENT in command for command in commands) else None
     env = {**env, **server.env} if server is not None else env
     try:
         for node, command in enumerate(commands):
-            proc = start_agent(command, env, run_dir)
-            tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-            reader = threading.Thread(
-                target=_drain, args=(proc.stdout, tail, echo if node == 0 or elastic else None), daemon=True
-            )
-            reader.start()
-            agents.append((proc, tail, reader))
-        while failed is None and any(proc.poll() is None for proc, _, _ in agents):
-            failed = None if elastic else next((agent for agent in agents if agent[0].poll()), None)
-            for proc, tail, _ in agents:
-                if elastic and proc.poll() and proc.pid not in lost:
-                    lost.add(proc.pid)
-                    _note(
-                        f"agent {proc.pid} exited with {proc.returncode}: the others continue without it",
-                        tail,
-                        echo,
-                    )
-                if _held_stopped(proc.pid, stopped_since, stopped_after_s):
-                    _note(f"agent {proc.pid} was stopped for {stopped_after_s:.0f} s; killed it", tail, echo)
-                    kill_agent(proc.pid)
-            poll()
-            time.sleep(POLL_S)
-        failed = failed or _outcome(agents, elastic)
-        poll()
+            agents.append(_Agent.start(command, env, run_dir, echo if node == 0 or elastic else None))
+        failed = _wait(agents, elastic, echo, poll, stopped_after_s)
     finally:
-        for proc, _, reader in agents:
-            stop_agent(proc)
-            reader.join(timeout=5)
+        for agent in agents:
+            agent.stop()
         if server is not None:
             server.stop()
         del store
-    if failed is None:
-        return LaunchResult(0, 0, "ok", "")
-    proc, tail, _ = failed
-    log_tail = "".join(tail)
-    return LaunchResult(
-        proc.returncode,
-        worker_exit_code(proc.returncode, log_tail),
-        classify_exit(proc.returncode, log_tail),
-        log_tail,
-    )
+    return LaunchResult(0, 0, "ok", "") if failed is None else failed.result()
 
 
-def _outcome(
-    agents: list[tuple[subprocess.Popen[str], deque[str], threading.Thread]], elastic: bool
-) -> tuple[subprocess.Popen[str], deque[str], threading.Thread] | None:
+def _wait(
+    agents: list[_Agent],
+    elastic: bool,
+    echo: Callable[[str], object] | None,
+    poll: Callable[[], None],
+    stopped_after_s: float,
+) -> _Agent | None:
+    """Follow the agents to the end; the failed agent that decides the outcome, or None on success.
+
+    The first agent to fail decides it and the others are stopped at once, since they would otherwise
+    wait out the collective timeout; an elastic run succeeds when an agent completes, and fails only
+    when all have failed. An agent held stopped (SIGSTOP) for ``stopped_after_s`` is a hang: it is
+    killed, which reads as a node failure.
+    """
+    failed = None
+    lost: set[int] = set()
+    stopped_since: dict[int, float] = {}
+    while failed is None and any(agent.proc.poll() is None for agent in agents):
+        failed = None if elastic else next((agent for agent in agents if agent.proc.poll()), None)
+        for agent in agents:
+            pid = agent.proc.pid
+            if elastic and agent.proc.poll() and pid not in lost:
+                lost.add(pid)
+                agent.note(
+                    f"agent {pid} exited with {agent.proc.returncode}: the others continue without it", echo
+                )
+            if _held_stopped(pid, stopped_since, stopped_after_s):
+                agent.note(f"agent {pid} was stopped for {stopped_after_s:.0f} s; killed it", echo)
+                kill_agent(pid)
+        poll()
+        time.sleep(POLL_S)
+    failed = failed or _outcome(agents, elastic)
+    poll()
+    return failed
+
+
+def _outcome(agents: list[_Agent], elastic: bool) -> _Agent | None:
     """The failed agent that decides a finished run, or None when it succeeded: any failure, or for
     an elastic run only when no agent completed."""
-    if elastic and any(proc.returncode == 0 for proc, _, _ in agents):
+    if elastic and any(agent.proc.returncode == 0 for agent in agents):
         return None
-    return next((agent for agent in agents if agent[0].poll()), None)
-
-
-def _note(message: str, tail: deque[str], echo: Callable[[str], object] | None) -> None:
-    """A launcher line in an agent's log tail and the run's output."""
-    line = f"tessera: {message}\n"
-    tail.append(line)
-    if echo is not None:
-        echo(line)
+    return next((agent for agent in agents if agent.proc.poll()), None)
 
 
 def _host_rendezvous_store(commands: list[list[str]]) -> TCPStore | None:
