@@ -31,7 +31,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from trainer.config import V_SCHEDULES, PipelineSchedule
+from trainer.config import PipelineSchedule
+from trainer.layout_checks import V_SCHEDULES
 from trainer.model import Transformer
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
