@@ -126,7 +126,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
     Returns the step directory's URL. The weights load as fp32 (tessera's master weights).
     """
     hf = hf_mapping(job.model)
-    hf.check_exportable(job.model)
+    hf.check_convertible(job.model)
     source = Path(hf_dir)
     hf.check_hf_config(read_hf_config(source), job.model)
     check_safetensors_headers(source)

@@ -60,8 +60,11 @@ class ParamCounts:
 class HFMapping(Protocol):
     """A family's Hugging Face safetensors format: names, layouts and ``config.json``."""
 
+    def check_convertible(self, cfg: ModelConfig) -> None:
+        """Raise a UserError naming the field when the HF format cannot hold this model (either way)."""
+
     def check_exportable(self, cfg: ModelConfig) -> None:
-        """Raise a UserError naming the field when the HF format cannot hold this model."""
+        """As ``check_convertible``, plus what only an export would lose."""
 
     def to_hf(self, state: dict[str, Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
         """tessera's model state dict as HF tensors."""

@@ -153,13 +153,18 @@ def moe_config_fields(cfg: ModelConfig) -> dict[str, tuple[Any, str]]:
     return fields
 
 
-def check_exportable(cfg: ModelConfig) -> None:
+def check_convertible(cfg: ModelConfig) -> None:
     """Refuse what Mixtral's format cannot hold (see the module docstring for why)."""
     if cfg.moe is not None and cfg.moe.shared_experts:
         raise UserError(
             f"model.moe.shared_experts={cfg.moe.shared_experts}: Mixtral has no shared experts; "
             "only models with shared_experts: 0 convert to Hugging Face"
         )
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Also refuse trained routing biases: an import starts them at zero, an export would drop them."""
+    check_convertible(cfg)
     if cfg.moe is not None and cfg.moe.balance == "bias":
         raise UserError(
             "model.moe.balance='bias': its routing biases decide which experts each token uses and Mixtral "
