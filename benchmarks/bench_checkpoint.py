@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from benchmarks.common import Goal, Headline, main
 from trainer.checkpoint import CheckpointManager, ModelOptimizerState
 from trainer.config import CheckpointConfig, ModelConfig
-from trainer.model import Transformer
+from trainer.models.llama.model import Transformer
 from trainer.plan.disk import raw_disk_speed
 
 SEQ_LEN = 128

@@ -59,7 +59,7 @@ from trainer.data.loader import build_loader
 from trainer.data.parts import prepare_part
 from trainer.data.prepare import assemble, part_jobs, plan_preparation, prepare_dataset, prepare_tokenizer
 from trainer.data.tokenizer import parse_tokenizer, read_tokenizer_bytes
-from trainer.model import Transformer
+from trainer.models.llama.model import Transformer
 
 SEQ_LEN = 256
 GLOBAL_BATCH = 16

@@ -437,7 +437,7 @@ def baseline_worker(job_json: Path, out: Path, steps: int, warmup: int, checkpoi
     step (synchronised), then a checkpoint save and load of its state through the trainer's manager."""
     import torch.nn.functional as F
 
-    from trainer.model import Transformer
+    from trainer.models.llama.model import Transformer
     from trainer.parallel.compile import apply_compile
     from trainer.parallel.float8 import apply_float8
     from trainer.rank.telemetry import peak_memory_bytes

@@ -24,7 +24,7 @@ import torch
 
 from benchmarks.common import Goal, Headline, main
 from trainer.config import ModelConfig
-from trainer.model import Transformer
+from trainer.models.llama.model import Transformer
 from trainer.parallel import token_loss
 from trainer.plan.params import count_params
 

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.common import Goal, Headline, main
 from trainer.config import ActivationCheckpointing, ModelConfig
-from trainer.model import Transformer
+from trainer.models.llama.model import Transformer
 from trainer.parallel import apply_ac, token_loss
 
 SEQ_LEN, BATCH, REPEATS = 128, 2, 3

@@ -28,7 +28,7 @@ from benchmarks.common import Goal, Headline, main
 from trainer.checkpoint import CheckpointManager, ModelOptimizerState
 from trainer.checkpoint.ram_tier import HostMemoryTier
 from trainer.config import CheckpointConfig, ModelConfig
-from trainer.model import Transformer
+from trainer.models.llama.model import Transformer
 
 SEQ_LEN = 128
 STEPS = 3

@@ -86,7 +86,7 @@ def ddp_worker(job_json: Path, out: Path) -> None:
 
     from trainer.data.loader import to_batch
     from trainer.data.synthetic import SyntheticSamples
-    from trainer.model import Transformer
+    from trainer.models.llama.model import Transformer
     from trainer.parallel import token_loss
 
     job = JobConfig.model_validate_json(job_json.read_text())

@@ -14,8 +14,9 @@ from math import gcd
 from typing import Any
 
 from trainer.backends.chips import chips_for
-from trainer.config import MODEL_PRESETS, Accelerator
+from trainer.config import Accelerator
 from trainer.divisors import divisors
+from trainer.models import preset_names, preset_shape
 
 ACCELERATORS: tuple[str, ...] = Accelerator.__args__
 
@@ -44,7 +45,10 @@ def chip_rules() -> list[dict[str, Any]]:
 def layout_rules() -> list[dict[str, Any]]:
     """For a preset's own shape: tp divides its query and key/value heads, pp its layers."""
     rules = []
-    for preset, shape in MODEL_PRESETS.items():
+    for preset in preset_names():
+        shape = preset_shape(preset)
+        if not shape:  # custom: the spec gives every dimension
+            continue
         is_preset = {"const": preset}
         heads = gcd(int(shape["n_heads"]), int(shape["n_kv_heads"]))
         rules.append(

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from trainer.config import ModelConfig
-from trainer.model import Transformer
+from trainer.models.llama.model import Transformer
 from trainer.parallel.compile import apply_compile, compile_seconds, use_compile_cache
 
 TINY = ModelConfig(

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from trainer.config import JobConfig, ModelConfig, ParallelConfig
-from trainer.model import Transformer
-from trainer.parallel import build_mesh, parallelize, token_loss
+from trainer.models.llama.model import Transformer
+from trainer.models.llama.parallelize import parallelize
+from trainer.parallel import build_mesh, token_loss
 
 STEPS, SEQ_LEN, BATCH, LR = 5, 32, 4, 1e-2
 FP8_LOSS_RTOL = 1e-2

@@ -24,7 +24,7 @@ from trainer.checkpoint.hf import export_hf, import_hf
 from trainer.config import CheckpointConfig, JobConfig, ModelConfig
 from trainer.evaluate import load_model
 from trainer.failures import UserError
-from trainer.model import Transformer, apply_rope
+from trainer.models.llama.model import Transformer, apply_rope
 
 MODEL = dict(
     preset="custom", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, rope_theta=5e5

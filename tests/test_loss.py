@@ -7,7 +7,7 @@ import torch
 
 from tests.dispatch import RecordOps
 from trainer.config import ModelConfig
-from trainer.model import Transformer, canonical_fqn
+from trainer.models.llama.model import Transformer, canonical_fqn
 from trainer.plan.hbm import MIN_CHUNK_TOKENS
 from trainer.rank.loss import linear_cross_entropy, token_loss
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from tests.dispatch import RecordOps
 from trainer.config import JobConfig, ModelConfig
-from trainer.model import Attention, Transformer, apply_rope, param_count, rope_table
+from trainer.models import param_count
+from trainer.models.llama.model import Attention, Transformer, apply_rope, rope_table
 from trainer.parallel.pipeline import split_stage
 
 TINY = ModelConfig(

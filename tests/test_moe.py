@@ -20,8 +20,9 @@ from tests.test_train import curve, job_of, spec_with, tessera_train
 from trainer.checkpoint.hf import resolve_step
 from trainer.config import JobConfig, ModelConfig, MoEConfig
 from trainer.evaluate import load_model
-from trainer.model import FeedForward, Transformer, param_count
-from trainer.moe import MoE, auxiliary_loss_scale
+from trainer.models import param_count
+from trainer.models.llama.model import FeedForward, Transformer
+from trainer.models.moe import MoE, auxiliary_loss_scale
 from trainer.parallel import token_loss
 from trainer.plan import make_plan
 from trainer.plan.experts import all_to_all_bytes

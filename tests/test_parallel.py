@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tests.dist.parallel_layouts import LAYOUTS, SHARDED_INIT
 from tests.torchrun import run_torchrun
 from trainer.config import ModelConfig, ParallelConfig, TrainConfig
-from trainer.model import Transformer, canonical_fqn
+from trainer.models.llama.model import Transformer, canonical_fqn
 from trainer.parallel import apply_ac, apply_compile, token_loss
 from trainer.parallel.replicate import replicates
 from trainer.plan.layout import Geometry

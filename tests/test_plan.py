@@ -125,7 +125,7 @@ def _saved_activation_bytes(block: object, x: object, rope: object) -> int:
 def test_layer_activation_formula_matches_saved_tensors_exactly() -> None:
     """Every tensor autograd saves in one block, counted by storage, equals the docstring's A_layer."""
     torch = pytest.importorskip("torch")
-    from trainer.model import TransformerBlock, rope_table
+    from trainer.models.llama.model import TransformerBlock, rope_table
 
     cfg, batch, seq = ModelConfig(preset="small"), 4, 128
     rope = rope_table(cfg.head_dim, seq, cfg.rope_theta)
@@ -152,7 +152,7 @@ def test_memory_estimate_within_10_percent_of_measured_peak(preset: str, ac: str
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from trainer.config import OptimizerConfig
-    from trainer.model import Transformer
+    from trainer.models.llama.model import Transformer
     from trainer.parallel.activation import apply_ac
     from trainer.rank.optim import build_optimizer
 

@@ -13,7 +13,7 @@ import torch
 
 from trainer.backends.chips import chip_for_device, get_chip
 from trainer.config import CheckpointConfig, HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
-from trainer.model import TransformerBlock, rope_table
+from trainer.models.llama.model import TransformerBlock, rope_table
 from trainer.plan import calibrate, make_plan
 from trainer.plan.calibrate import PROBE_BLOCK, fit_round_trip, narrow_to_one_tp_rank
 from trainer.plan.comms import collective_seconds, fsdp_placement, layer_comms, link_of, place

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import fsspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,9 +19,6 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from trainer.hub import HUB_URL_PREFIXES
 from trainer.layout_checks import layout_errors
 
-ModelPreset = Literal[
-    "tiny", "small", "tiny-moe", "llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b", "custom"
-]
 Accelerator = Literal["cpu", "gpu", "tpu", "trainium"]
 PipelineSchedule = Literal[
     "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
@@ -84,45 +81,6 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, strict=True)
 
 
-# Model shapes. The llama3 rows are the published Llama 3 / 3.1 architectures (Dubey et al. 2024,
-# Table 3, and the released params.json files); tiny/small are ours, sized to train on a laptop CPU.
-MODEL_PRESETS: dict[str, dict[str, float]] = {
-    "tiny": dict(
-        n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=2048, rope_theta=10000.0
-    ),
-    "small": dict(
-        n_layers=8, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1408, vocab_size=8192, rope_theta=10000.0
-    ),
-    "llama3-8b": dict(
-        n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256, rope_theta=500000.0
-    ),
-    "llama3-70b": dict(
-        n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256, rope_theta=500000.0
-    ),
-    "llama3-405b": dict(
-        n_layers=126,
-        dim=16384,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim=53248,
-        vocab_size=128256,
-        rope_theta=500000.0,
-    ),
-    # Mixtral 8x7B (Jiang et al. 2024; the released config.json): Mistral 7B's attention, 8 SwiGLU experts.
-    "mixtral-8x7b": dict(
-        n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32000, rope_theta=1e6
-    ),
-    "tiny-moe": dict(
-        n_layers=2, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=2048, rope_theta=10000.0
-    ),
-}
-# The mixture-of-experts section a preset implies (a spec may still override it with its own model.moe).
-MOE_PRESETS: dict[str, dict[str, int]] = {
-    "mixtral-8x7b": dict(n_experts=8, top_k=2),
-    "tiny-moe": dict(n_experts=8, top_k=2, shared_experts=1),
-}
-
-
 class MoEConfig(Strict):
     """Mixture-of-experts feed-forward: top-k token-choice routing, dropless (no token is ever dropped).
 
@@ -183,10 +141,22 @@ class MoEConfig(Strict):
         return self
 
 
-class ModelConfig(Strict):
-    """A Llama-style decoder: a preset, optionally with any dimension overridden."""
+def _preset_enum(schema: dict[str, Any]) -> None:
+    """The run form's preset menu: every registered family's presets (read when the schema is built)."""
+    from trainer.models import preset_names
 
-    preset: ModelPreset = Field("tiny", description="Architecture preset; 'custom' requires every dimension.")
+    schema["enum"] = preset_names()
+
+
+class ModelConfig(Strict):
+    """A decoder: a preset of a registered model family (``trainer/models/``), optionally with any
+    dimension overridden. The preset names the family; ``custom`` is a Llama of the given dimensions."""
+
+    preset: str = Field(
+        "tiny",
+        description="Architecture preset; 'custom' requires every dimension.",
+        json_schema_extra=_preset_enum,
+    )
     n_layers: PositiveInt | None = Field(None, description="Transformer blocks (default: from preset).")
     dim: PositiveInt | None = Field(None, description="Hidden size (default: from preset).")
     n_heads: PositiveInt | None = Field(None, description="Query heads (default: from preset).")
@@ -200,11 +170,24 @@ class ModelConfig(Strict):
     tie_embeddings: bool = Field(False, description="Share input embedding and output projection weights.")
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts layers (default: from preset; none).")
 
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, preset: str) -> str:
+        # Imported here: the families import this module (for their configs' types and checks).
+        from trainer.models import preset_names
+
+        names = preset_names()
+        if preset not in names:
+            raise ValueError(f"unknown model.preset {preset!r}; use one of {', '.join(names)}")
+        return preset
+
     @model_validator(mode="after")
     def _fill_from_preset(self) -> ModelConfig:
-        base = MODEL_PRESETS.get(self.preset, {})
-        if self.moe is None and self.preset in MOE_PRESETS:
-            object.__setattr__(self, "moe", MoEConfig(**MOE_PRESETS[self.preset]))
+        from trainer.models import family_of, preset_shape
+
+        base = preset_shape(self.preset)
+        if self.moe is None and "moe" in base:
+            object.__setattr__(self, "moe", MoEConfig(**base["moe"]))
         missing = []
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta"):
             if getattr(self, key) is None:
@@ -217,14 +200,7 @@ class ModelConfig(Strict):
             raise ValueError(
                 f"model.preset=custom needs model.{', model.'.join(missing)}; set them or pick a preset"
             )
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head dim model.dim/model.n_heads={self.head_dim} must be even for RoPE")
+        family_of(self).check(self)
         return self
 
     @property

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from trainer import storage
 from trainer.checkpoint import APP_KEY, CheckpointStoreError, check_model, read_commit, store
@@ -31,7 +31,7 @@ from trainer.config import JobConfig
 from trainer.data.errors import DataError
 from trainer.data.loader import load_tokenizer, validation_sample
 from trainer.failures import EXIT_INFRA, EXIT_OK, EXIT_USER_ERROR, UserError, is_infra_error
-from trainer.model import Transformer
+from trainer.models import family_of
 
 
 @dataclass
@@ -42,20 +42,20 @@ class EvalResult:
     sample_ids: list[int]  # the generated continuation only, without the prompt
 
 
-def load_model(step_url: str, job: JobConfig) -> tuple[int, Transformer]:
+def load_model(step_url: str, job: JobConfig) -> tuple[int, nn.Module]:
     """The checkpoint's step and its weights in a fresh unsharded model (eval mode)."""
     manifest = read_commit(step_url)
     if manifest is None or not manifest.good:
         state = "no committed manifest" if manifest is None else f"status {manifest.status}"
         raise CheckpointStoreError(f"checkpoint {step_url} has {state}; evaluate a committed checkpoint")
     check_model(manifest, job.model_fingerprint())
-    model = Transformer(job.model, max_seq_len=job.train.seq_len)
+    model = family_of(job.model).build(job.model, job.train.seq_len)
     store.load({APP_KEY: {"model": model.state_dict()}}, step_url, no_dist=True)
     return manifest.step, model.eval()
 
 
 @torch.inference_mode()
-def mean_loss(model: Transformer, batches: Iterable[tuple[Tensor, Tensor]]) -> float:
+def mean_loss(model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]]) -> float:
     """Token-weighted mean next-token cross-entropy over (inputs, targets) batches of shape [B, T]."""
     total, tokens = 0.0, 0
     for inputs, targets in batches:
@@ -68,7 +68,7 @@ def mean_loss(model: Transformer, batches: Iterable[tuple[Tensor, Tensor]]) -> f
 
 
 @torch.inference_mode()
-def greedy_sample(model: Transformer, prompt_ids: list[int], new_tokens: int) -> list[int]:
+def greedy_sample(model: nn.Module, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """Argmax decoding, the context clipped to the model's max_seq_len (no KV cache: samples are short)."""
     ids = list(prompt_ids)
     for _ in range(new_tokens):

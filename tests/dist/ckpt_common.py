@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainer.checkpoint import ModelOptimizerState, RNGState
 from trainer.config import JobConfig
 from trainer.data.loader import StepLoader, build_loader
-from trainer.model import Transformer
+from trainer.models.llama.model import Transformer
 
 JOB = JobConfig.model_validate(
     {

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from trainer.config import JobConfig
-from trainer.model import causal_attention
+from trainer.models.llama.model import causal_attention
 from trainer.parallel import build_parallel_model
 from trainer.parallel.context import ring_attention, shard_sequence
 

@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 from tests.dist.cp_checks import reshard_max_error, ring_attention_max_error
 from trainer.config import JobConfig
 from trainer.rank.local_tensor import local_tensor
-from trainer.model import Transformer, param_count
-from trainer.moe import MoE
+from trainer.models import param_count
+from trainer.models.llama.model import Transformer
+from trainer.models.moe import MoE
 from trainer.parallel import ParallelModel, build_parallel_model, token_loss
 from trainer.parallel.context import shard_sequence
 from trainer.rank.step_hooks import after_optimizer_step

@@ -1,7 +1,7 @@
 """Parallelisms as plain functions of a model and a mesh, and the ParallelModel the training loop drives.
 
 The training loop needs three calls: ``build_parallel_model(job, device)`` (mesh, init, TP / AC /
-compile / FSDP / PP), ``model.forward_backward(inputs, targets, n_microbatches)`` and
+compile / FSDP / PP, each by the model family's own plan: ``trainer/models/<family>/``), ``model.forward_backward(inputs, targets, n_microbatches)`` and
 ``model.clip_grad_norm_(max_norm)``; optimizers and checkpoints take ``model.parts``.
 """
 
@@ -13,8 +13,6 @@ from trainer.parallel.float8 import apply_float8
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.mesh import MESH_DIMS, build_mesh, dp_mesh
 from trainer.parallel.parallel_model import ParallelModel, build_parallel_model, token_loss
-from trainer.parallel.parallelize import parallelize
-from trainer.parallel.tensor import apply_tp
 
 __all__ = [
     "MESH_DIMS",
@@ -25,10 +23,8 @@ __all__ = [
     "apply_ep",
     "apply_float8",
     "apply_fsdp",
-    "apply_tp",
     "build_mesh",
     "build_parallel_model",
     "dp_mesh",
-    "parallelize",
     "token_loss",
 ]

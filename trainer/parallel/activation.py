@@ -11,11 +11,11 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainer.config import ActivationCheckpointing
-from trainer.model import Transformer
 
 aten = torch.ops.aten
 SAVED_OPS = {
@@ -32,7 +32,7 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: Transformer, mode: ActivationCheckpointing) -> Transformer:
+def apply_ac(model: nn.Module, mode: ActivationCheckpointing) -> nn.Module:
     """Wrap every block in place; FQNs are unchanged for checkpoints (DCP strips the wrapper prefix)."""
     if mode == "none":
         return model

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainer.model import Transformer
+from torch import nn
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 # torch's own timers (torch._dynamo.utils, private but stable across releases): Dynamo's frame
@@ -23,7 +23,7 @@ CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 
 
-def apply_compile(model: Transformer, backend: str = "inductor") -> Transformer:
+def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
     for block in model.layers.values():
         block.compile(backend=backend, fullgraph=True)
     return model

@@ -29,11 +29,9 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-
-from trainer.model import Transformer
 
 KV_TAG, GRAD_TAG = 1, 2  # both passes go to the same neighbour in backward; tags keep them apart
 # Fused flash kernels that also return the log-sum-exp the ring merges by. The CUDA/XLA/Neuron ones have
@@ -57,7 +55,7 @@ def shard_sequence(tensor: Tensor, cp_mesh: DeviceMesh, dim: int = 1) -> Tensor:
     return torch.cat((chunks[rank], chunks[2 * cp - 1 - rank]), dim=dim)
 
 
-def apply_cp(model: Transformer, cp_mesh: DeviceMesh) -> Transformer:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Ring attention over cp_mesh in every block, with RoPE at the positions of this rank's chunks.
 
     The inputs must already be this rank's chunks (:func:`shard_sequence` on tokens and targets).

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trainer.moe import GroupedExperts
+from trainer.models.moe import GroupedExperts
 
 EP_DIMS = ("dp_shard_mod_ep", "ep")
 

@@ -7,11 +7,11 @@ holds the embedding, final norm and output projection.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer.config import Precision
-from trainer.model import Transformer
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -21,8 +21,8 @@ def precision_policy(mixed_precision: Precision) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(
-    model: Transformer, dp_mesh: DeviceMesh, mixed_precision: Precision, reshard_after_forward: bool
-) -> Transformer:
+    model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: Precision, reshard_after_forward: bool
+) -> nn.Module:
     """Shard model in place over dp_mesh (1-D: FSDP, 2-D (replicate, shard): HSDP).
 
     Gradients are always reduced in fp32, so bf16 compute never loses precision in the dp average.

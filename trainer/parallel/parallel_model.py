@@ -17,12 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, PipelineSchedule
-from trainer.model import Transformer, param_count
-from trainer.moe import auxiliary_loss_scale
+from trainer.models import family_of, param_count
+from trainer.models.moe import auxiliary_loss_scale
 from trainer.parallel.context import shard_sequence
 from trainer.parallel.grad_norm import clip_grad_norm_
 from trainer.parallel.mesh import build_mesh, dp_coordinates
-from trainer.parallel.parallelize import parallelize
 from trainer.parallel.replicate import sync_gradients_on_last
 from trainer.rank.local_tensor import local_tensor
 from trainer.rank.loss import token_loss
@@ -97,7 +96,7 @@ class ParallelModel:
             sync_gradients_on_last(model, last=i == n_microbatches - 1, whole=whole)
             with loss_context(self.mesh):
                 with auxiliary_loss_scale(1 / n_microbatches):  # e.g. MoE balancing: weighed like this loss
-                    loss = model(x, y)  # the head and loss in one (trainer.model.Transformer.forward)
+                    loss = model(x, y)  # the head and loss in one (the family module's forward)
                 (loss / n_microbatches).backward()
             total += local_tensor(loss.detach())  # loss_parallel's is a replicated DTensor
         return total / n_microbatches
@@ -144,10 +143,10 @@ def build_parallel_model(
     Models up to init_whole_max_params are initialized whole before sharding (identical on every
     layout); larger ones are built on ``meta`` and only this rank's shards are ever allocated.
     """
-    cfg = job.parallel
+    cfg, family = job.parallel, family_of(job.model)
     mesh = build_mesh(cfg, device.type)
     with torch.device("meta"):
-        model = Transformer(job.model, max_seq_len=job.train.seq_len)
+        model = family.build(job.model, job.train.seq_len)
     init_whole = param_count(model) <= init_whole_max_params
     if init_whole:
         model.to_empty(device=device)
@@ -162,7 +161,7 @@ def build_parallel_model(
             mesh.get_local_rank("pp"), cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule
         )
     chunks = [pipeline.split_stage(model, index, n_stages) for index in indices] if pipeline else [model]
-    parts = [parallelize(chunk, mesh, cfg) for chunk in chunks]
+    parts = [family.parallelize(chunk, mesh, cfg) for chunk in chunks]
     if not init_whole:
         for part in parts:
             part.to_empty(device=device)

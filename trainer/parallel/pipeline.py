@@ -17,7 +17,7 @@ import copy
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -33,7 +33,6 @@ from torch.distributed.pipelining.schedules import (
 
 from trainer.config import PipelineSchedule
 from trainer.layout_checks import V_SCHEDULES
-from trainer.model import Transformer
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
@@ -54,7 +53,7 @@ def stage_indices(pp_rank: int, pp: int, virtual_stages: int, schedule: Pipeline
     return [pp_rank + chunk * pp for chunk in range(virtual_stages)]
 
 
-def split_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
+def split_stage(model: nn.Module, stage: int, n_stages: int) -> nn.Module:
     """A copy of model holding only stage's contiguous share of layers (and embedding/head if at an end)."""
     per_stage = len(model.layers) // n_stages
     owned = range(stage * per_stage, (stage + 1) * per_stage)
@@ -71,7 +70,7 @@ def split_stage(model: Transformer, stage: int, n_stages: int) -> Transformer:
 
 
 def build_stages(
-    parts: list[Transformer], indices: list[int], n_stages: int, device: torch.device, group: ProcessGroup
+    parts: list[nn.Module], indices: list[int], n_stages: int, device: torch.device, group: ProcessGroup
 ) -> list[PipelineStage]:
     return [
         PipelineStage(part, index, n_stages, device, group=group)

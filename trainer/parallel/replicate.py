@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from trainer.config import ParallelConfig
-from trainer.model import Transformer
 
 
 def replicates(cfg: ParallelConfig) -> bool:
@@ -29,7 +28,7 @@ def replicates(cfg: ParallelConfig) -> bool:
     return all(degree == 1 for degree in splits) and cfg.mixed_precision == "fp32"
 
 
-def apply_ddp(model: Transformer, mesh: DeviceMesh) -> Transformer:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Replicate model in place over the dp_replicate ranks; gradients are averaged over them in backward.
 
     DDP itself is built at the first forward (and broadcasts rank 0's parameters then), so the model may

@@ -297,7 +297,7 @@ def share(alone_s: float, concurrent_s: float, world: int, cores: int) -> float:
 
 
 def kernel_overhead(probe: Probe) -> float:
-    """Seconds of host work per kernel: one tiny Transformer block (trainer/model.py, dim 8, one token)
+    """Seconds of host work per kernel: one tiny Transformer block (trainer/models/llama/model.py, dim 8, one token)
     forward and backward, whose device work is nil, over the kernels the planner counts for it. On the
     host's clock (a device timer would see the nil device work, not the launches)."""
     from trainer.plan.compute import BACKWARD_KERNELS, BLOCK_KERNELS
@@ -341,7 +341,7 @@ def _block_input(
 ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     """A block, its input and its RoPE table, on the probe's device in its compute dtype (the
     trainer's FSDP casts parameters to it)."""
-    from trainer.model import TransformerBlock, rope_table
+    from trainer.models.llama.model import TransformerBlock, rope_table
 
     probe = probe or host_probe()
     block = TransformerBlock(cfg).to(probe.device, probe.dtype)
@@ -426,10 +426,10 @@ def _concurrent_seconds(work: Callable[[], object], calls: int) -> float:
 
 
 class BlockStack(torch.nn.Module):
-    """``blocks`` transformer blocks (trainer/model.py) in a row, called as one block is."""
+    """``blocks`` transformer blocks (trainer/models/llama/model.py) in a row, called as one block is."""
 
     def __init__(self, cfg: ModelConfig, blocks: int) -> None:
-        from trainer.model import TransformerBlock
+        from trainer.models.llama.model import TransformerBlock
 
         super().__init__()
         self.layers = torch.nn.ModuleList(TransformerBlock(cfg) for _ in range(blocks))
@@ -453,7 +453,7 @@ def _fsdp_round_trips() -> list[dict[str, float]]:
     """FSDP2's round trip of one unit over this process group: forward + backward of ``FSDP_STACK``
     transformer blocks under ``fully_shard`` (each: all-gather, reshard, all-gather again,
     reduce-scatter) less the same blocks unsharded, per block, for each of ``FSDP_UNITS``."""
-    from trainer.model import rope_table
+    from trainer.models.llama.model import rope_table
 
     rows = []
     for preset in FSDP_UNITS:
@@ -516,7 +516,7 @@ def _tp_round_trips(world: int) -> list[dict[str, float]]:
     heads and hidden width: the same local matmuls) on the same tokens, for each of ``TP_BATCHES``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.parallel.tensor import apply_tp_block
+    from trainer.models.llama.parallelize import apply_tp_block
 
     full = ModelConfig(**PROBE_BLOCK)
     mesh = init_device_mesh("cpu", (world,))

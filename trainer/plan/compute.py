@@ -1,6 +1,6 @@
 """Compute seconds of one micro-batch on one chip, part by part: blocks, recompute, head, optimizer.
 
-Shapes follow ``trainer/model.py`` under TP with sequence parallelism (Megatron-style, Korthikanti et
+Shapes follow ``trainer/models/llama/model.py`` under TP with sequence parallelism (Megatron-style, Korthikanti et
 al. 2022): column-parallel matmuls see the whole micro-batch's T tokens and 1/t of the output
 features, row-parallel ones 1/t of the inner dimension; norms, residual adds and casts run on the
 sequence shard (T/t tokens). Backward runs each matmul twice (input and weight gradients).
@@ -23,7 +23,7 @@ from trainer.plan.profile import HardwareProfile, MatmulPrecision
 
 FP32 = 4
 BACKWARD_ATTENTION = 2.5  # flash attention backward / forward FLOPs (FlashAttention-2, §3.1.2)
-# Kernels per block forward, counted from trainer/model.py under torch 2.13: 7 matmuls, SDPA, and the
+# Kernels per block forward, counted from trainer/models/llama/model.py under torch 2.13: 7 matmuls, SDPA, and the
 # element-wise ops (two fp32 RMSNorms of 6 ops each, RoPE's 10, two residual adds, SwiGLU's 2, views and
 # casts); compiled blocks fuse the element-wise ops into ~6 Triton/C++ kernels. Backward launches ~2×.
 BLOCK_KERNELS = {False: 45, True: 14}
@@ -62,7 +62,7 @@ def block_matmuls(geo: Geometry) -> list[tuple[float, float, float]]:
 def elementwise_bytes(geo: Geometry) -> float:
     """HBM bytes of one block's forward element-wise work on one chip.
 
-    Eager (counted from trainer/model.py): each RMSNorm upcasts to fp32 and makes ~7 fp32 passes over
+    Eager (counted from trainer/models/llama/model.py): each RMSNorm upcasts to fp32 and makes ~7 fp32 passes over
     d (14 for both); the two residual adds 3 passes each; RoPE ~6 passes over q and k; SwiGLU's silu and
     product 5 passes over f. Compiled blocks fuse them: norm + residual read and write once (3 passes
     each), RoPE 3, SwiGLU 3 (read both inputs, write the product). Backward moves about twice as much.

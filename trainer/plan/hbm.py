@@ -65,7 +65,7 @@ def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
     """Bytes one block saves for backward for one micro-batch on one chip: (attention part, MLP part).
 
     Derivation in the style of Korthikanti et al. 2022 ("Reducing Activation Recomputation", §4),
-    for *our* block (``trainer/model.py`` under torch 2.13), with s·b = T tokens per micro-batch,
+    for *our* block (``trainer/models/llama/model.py`` under torch 2.13), with s·b = T tokens per micro-batch,
     hidden d, SwiGLU width f, a query heads, e bytes per compute element (2 bf16, 4 fp32), t = tp with
     sequence parallelism. Each RMSNorm (computed in fp32 by torch's composite kernel) saves its input
     upcast to fp32 (4Td), the normalized fp32 tensor its gain multiplies (4Td) and the fp32 rstd

@@ -2,7 +2,7 @@
 
 One spelling for code that runs on every layout (FSDP's shards, TP's and EP's splits, and plain
 tensors under DDP or one process) and needs the local values: a leaf module, so that the model
-(``trainer/moe.py``) and the parallel wrappers around it can both import it.
+(``trainer/models/moe.py``) and the parallel wrappers around it can both import it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trainer.config import ModelConfig
-from trainer.moe import MoE
+from trainer.models.moe import MoE
 from trainer.rank.loss import linear_cross_entropy, token_loss
 
 # Small init for projections (GPT-2 / Llama practice); residual outputs shrink with depth so the
@@ -255,8 +255,3 @@ def _fill_normal(param: Tensor, std: float, seed: int, name: str) -> None:
         0.0, std, generator=generator
     )
     target.copy_(values)  # in the parameter's dtype
-
-
-def param_count(model: nn.Module) -> int:
-    """Distinct parameters (a tied embedding counts once); works on meta-device models."""
-    return sum(p.numel() for p in model.parameters())

@@ -1,6 +1,15 @@
-"""Tensor parallelism with sequence parallelism (Megatron-style), torchtitan's plan.
+"""Llama's parallelize plan: TP with sequence parallelism, composed with CP, EP, AC, compile and FSDP.
 
-Attention/MLP input projections are column-wise (each rank owns whole heads / a slice of the hidden
+``parallelize`` composes the parallelisms in torchtitan's order. TP first (it rewrites parameters into
+tp-sharded DTensors), CP (ring attention and the local RoPE positions, inside the blocks), EP (experts
+sharded over ep ranks, with their own FSDP units), then activation checkpointing and compile (they
+wrap the already-parallel blocks), FSDP last (it shards whatever parameters it finds over dp).
+A layout that splits nothing in fp32 (pure data parallelism, or one process) gets DDP instead
+(``trainer/parallel/replicate.py``): FSDP with one shard per replica pays gathers and DTensors for no
+memory saving. Every other layout gets FSDP even when dp = 1, for the same parameter types and mixed
+precision.
+
+The TP plan (Megatron-style, torchtitan's): Attention/MLP input projections are column-wise (each rank owns whole heads / a slice of the hidden
 width), output projections row-wise; between blocks activations stay sharded along the sequence so
 norms run on 1/tp of the tokens. Embedding, norms and output are on the same tp mesh too, so after
 FSDP every parameter lives on one 2-D (dp, tp) mesh and a global grad norm is a single reduction.
@@ -22,8 +31,37 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trainer.model import Transformer, TransformerBlock
-from trainer.moe import MoE
+from trainer.config import ParallelConfig
+from trainer.models.llama.model import Transformer, TransformerBlock
+from trainer.models.moe import MoE
+from trainer.parallel.activation import apply_ac
+from trainer.parallel.compile import apply_compile
+from trainer.parallel.context import apply_cp
+from trainer.parallel.expert import apply_ep
+from trainer.parallel.float8 import apply_float8
+from trainer.parallel.fsdp import apply_fsdp, precision_policy
+from trainer.parallel.mesh import check_mesh, dp_mesh
+from trainer.parallel.replicate import apply_ddp, replicates
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig) -> Transformer:
+    check_mesh(mesh)
+    if cfg.tp > 1:
+        apply_tp(model, mesh["tp"])
+    if cfg.cp > 1:
+        apply_cp(model, mesh["cp"])
+    reshard = (
+        cfg.reshard_after_forward and cfg.pp == 1
+    )  # a pipeline stage stays gathered across micro-batches
+    if cfg.ep > 1:  # the experts' own FSDP units, before the blocks' claim the dense parameters
+        apply_ep(model, mesh, cfg.ep, precision_policy(cfg.mixed_precision), reshard)
+    apply_float8(model, cfg.float8)  # swaps nn.Linear modules: before AC/compile/FSDP wrap them
+    apply_ac(model, cfg.activation_checkpointing)
+    if cfg.compile:
+        apply_compile(model)
+    if replicates(cfg):
+        return apply_ddp(model, mesh)
+    return apply_fsdp(model, dp_mesh(mesh), cfg.mixed_precision, reshard_after_forward=reshard)
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> Transformer:
