@@ -80,7 +80,7 @@ ESSENTIALS: dict[str, tuple[type[Any], tuple[str, ...]]] = {
     "train": (TrainConfig, ("steps", "global_batch_size")),
     "cluster": (HardwareConfig, ("nodes", "chips_per_node")),
 }
-ELSEWHERE = "Its other fields: the JSON view (Parameters ⋮ → Use JSON input) or `tessera submit --set`."
+ELSEWHERE = "Every field, shown or not: Parameters ⋮ → Use JSON input (`tessera schema` lists them)."
 WORK_POOL = {
     # A plain text box, not a string/None toggle: with no default, Prefect's validation lets it be null.
     "type": "string",
@@ -99,7 +99,7 @@ def shown_section(name: str, full: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "title": name.capitalize(),
-        "description": f"{full['description']} {ELSEWHERE}",
+        "description": full["description"],
         "properties": properties,
     }
 
@@ -109,7 +109,7 @@ def json_section(name: str, full: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "title": f"{name.capitalize()} (JSON)",
-        "description": f"{full['description']} Empty: the defaults; `tessera schema` lists the fields.",
+        "description": f"{full['description']} Empty: the defaults.",
     }
 
 
@@ -140,4 +140,5 @@ def form_rules(schema: dict[str, Any]) -> None:
         "additionalProperties": schema.pop("additionalProperties"),
     }
     schema["properties"] = form_properties(full["properties"])
+    schema["description"] = f"{schema['description']} {ELSEWHERE}"
     schema["allOf"] = [full, *chip_rules(), *layout_rules()]
