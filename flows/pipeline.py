@@ -20,6 +20,7 @@ from prefect.states import Completed, State
 
 from deployments.run import Run, new_run_id
 from deployments.spec import TrainingSpec
+from tasks.cancellation import engine_owned_cancellation
 from tasks.checkpoints import evaluate_task, validate_checkpoint_task
 from tasks.data import prepare_dataset_task
 from tasks.lineage import submit_produced_by
@@ -35,6 +36,7 @@ from trainer.report.compare import CONTINUED, FLOW_RUN_PREFIX
 
 EvalFuture = PrefectFuture[dict[str, Any] | None]
 one_line_spec_refusals()  # a spec the server accepted but the flow refuses: one line in the run's log
+engine_owned_cancellation()  # a cancelled run is Cancelled right after its tear-down, and its log says so
 
 
 @flow(name="prepare-data", flow_run_name="prepare-data-{spec.name}")

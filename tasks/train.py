@@ -149,9 +149,15 @@ def run_kubernetes(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
 def run_local(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
     """The local agents, node 0's output streamed into the run logger; exit code and log tail."""
     logger = get_run_logger()
-    result = target.run.launch_local(
-        target.local_commands(), echo=lambda line: logger.info(line.rstrip()), poll=progress.update
-    )
+    stopping = target.run.dir.stopping
+
+    def echo(line: str) -> None:
+        # Once tear-down is stopping the agents (a cancelled run), what torchrun prints is its own stop
+        # traceback (SignalException), not news: the flow's log ends with the cancellation instead.
+        if not stopping.exists():
+            logger.info(line.rstrip())
+
+    result = target.run.launch_local(target.local_commands(), echo=echo, poll=progress.update)
     return result.returncode, result.log_tail
 
 

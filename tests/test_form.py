@@ -23,14 +23,55 @@ def form_errors(spec: dict[str, Any]) -> list[tuple[str, str]]:
     return [(".".join(str(p) for p in e.path), e.message) for e in errors]
 
 
-def test_the_fields_people_change_come_first() -> None:
-    assert list(TrainingSpec.model_fields)[:5] == ["name", "model", "train", "cluster", "parallel"]
-    assert list(FORM["definitions"]["TrainConfig"]["properties"])[:3] == [
-        "steps",
-        "global_batch_size",
-        "micro_batch_size",
+def shown(schema: dict[str, Any]) -> list[str]:
+    """The fields the form renders, as paths, in order (sections are objects with properties)."""
+    paths = []
+    for name, prop in schema.get("properties", {}).items():
+        nested = shown(prop)
+        paths += [f"{name}.{p}" for p in nested] if nested else [name]
+    return paths
+
+
+def test_the_form_shows_what_people_change_first_and_every_other_section_as_one_editor() -> None:
+    spec = FORM["definitions"]["TrainingSpec"]
+    assert shown(spec)[:8] == [
+        "name",
+        "model.preset",
+        "train.steps",
+        "train.global_batch_size",
+        "cluster.nodes",
+        "cluster.chips_per_node",
+        "cluster.work_pool",
+        "parallel",  # a JSON editor, as every section below it
     ]
-    assert "cpu" in FORM["definitions"]["ClusterSpec"]["properties"]["chip"]["enum"]  # a choice
+    assert len(shown(spec)) <= 17  # was 102
+    assert not any("anyOf" in prop for prop in spec["properties"].values())  # no str/None toggles
+    whole = spec["allOf"][0]  # every field, validated though not rendered
+    assert (
+        set(whole["properties"]) == set(TrainingSpec.model_fields) and whole["additionalProperties"] is False
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"train": {"stpes": 3}}, "spec.train"),  # a typo in a shown section
+        ({"parallel": {"dp_shrad": 2}}, "spec.parallel"),  # ... and in a JSON one
+        ({"cluster": {"work_pool": "no spaces"}}, "spec.cluster.work_pool"),
+        ({"cluster": {"accelerator": "fpga"}}, "spec.cluster.accelerator"),  # not shown, still checked
+    ],
+)
+def test_the_form_still_refuses_what_the_whole_spec_refuses(
+    change: dict[str, Any], field: str, tmp_path: Path
+) -> None:
+    spec = tiny_spec_dict(tmp_path, "form", **change)
+    assert field in [where for where, _ in form_errors(spec)]
+
+
+def test_the_form_accepts_a_null_work_pool_and_a_missing_section(tmp_path: Path) -> None:
+    spec = tiny_spec_dict(tmp_path, "form", cluster={"work_pool": None})
+    del spec["optimizer"]
+    assert form_errors(spec) == []
 
 
 @pytest.mark.parametrize("path", sorted(SPEC_DIR.glob("*.yaml")), ids=lambda p: p.stem)

@@ -51,6 +51,9 @@ CHROMIUM_ARGS = [
 ]
 DOCS = REPO_ROOT / "docs"
 RUN_TIMEOUT_S = 300
+VIEWPORT = {"width": 1400, "height": 1000}
+FIRST_SCREEN = {"width": 1280, "height": 800}  # a laptop's browser window
+ESSENTIALS = ("Name", "Preset", "Steps", "Global Batch Size", "Nodes", "Chips Per Node", "Work Pool")
 DEPLOYMENT = "train-pipeline/local-cpu"
 
 pytestmark = [
@@ -101,7 +104,7 @@ def page(ui: tuple[str, Path]) -> Iterator[Any]:
     with playwright.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport=VIEWPORT)
             page.failed_requests = []  # what the UI's failed API calls said, for a failed submit's message
             page.on("response", lambda r: r.status >= 400 and page.failed_requests.append(describe(r)))
             page.on(
@@ -129,14 +132,13 @@ def form_field(page: Any, label: str) -> Any:
     )
 
 
-def form_size(page: Any) -> tuple[float, int, int]:
-    """The run form's height in pixels, its fields, and how many of them come before the Cluster section."""
+def form_size(page: Any) -> tuple[float, int]:
+    """The run form's height in pixels, and its fields and sections."""
     labels = page.locator(".schema-form-property__label").all_inner_texts()
     height = page.evaluate(
         "(document.querySelector('.schema-form') || document.querySelector('form')).getBoundingClientRect().height"
     )
-    # The first label is the parameter, spec; the others are its fields and sections.
-    return height, len(labels) - 1, labels.index("Cluster (Optional)") - 1
+    return height, len(labels) - 1  # the first label is the parameter, spec
 
 
 def descriptions(schema: Any) -> list[str]:
@@ -207,31 +209,48 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(DEPLOYMENT)
 
-        # The spec's typed form: nested sections, defaults from the spec file, the accelerator a choice.
+        # What a person fills in, on the first screen of a laptop's window: name, preset, steps, batch,
+        # nodes and chips, pool; every other section is one JSON editor below them.
+        page.set_viewport_size(FIRST_SCREEN)
         page.goto(f"{url}/deployments/deployment/{deployment.id}/run", wait_until="networkidle")
         assert form_field(page, "Name").locator("textarea").first.input_value() == "tiny-local"
         assert form_field(page, "Preset").locator(".p-select-button__value").inner_text() == "tiny"
-        cluster, accelerator = form_field(page, "Cluster"), form_field(page, "Accelerator")
-        assert cluster.locator(accelerator).count() == 1  # nested inside the cluster section
-        assert accelerator.locator(".p-select-button__value").inner_text() == "cpu"
         assert form_field(page, "Chips Per Node").locator("input").input_value() == "2"
-        assert form_field(page, "Chip").locator(".p-select-button__value").inner_text() == "cpu"  # a choice
-
-        # Shorter to scan: the fields changed on most runs come first, and every description is whole.
-        height, fields, above_cluster = form_size(page)
-        print(f"run form: {height:.0f} px high, {fields} fields, {above_cluster} of them above Cluster")
-        assert above_cluster <= 20
+        assert form_field(page, "Steps").locator("input").input_value() == str(
+            deployment.parameters["spec"]["train"]["steps"]
+        )
+        page.screenshot(path=DOCS / "ui-run-form.png")  # the first screen, as a person sees it
+        # Prefect's form gives each field ~115 px under a ~380 px page header: Name and Preset fit the first
+        # screen, and the rest of the essentials follow before any other field.
+        for label in ESSENTIALS[:2]:
+            box = form_field(page, label).locator(".schema-form-property__label").first.bounding_box()
+            assert box and box["y"] + box["height"] <= FIRST_SCREEN["height"], (
+                f"{label} is below the first screen"
+            )
+        labels = [
+            t.removesuffix(" (Optional)")
+            for t in page.locator(".schema-form-property__label").all_inner_texts()
+        ]
+        fields = [t for t in labels if t not in ("spec", "Model", "Train", "Cluster")]
+        assert fields[: len(ESSENTIALS)] == list(ESSENTIALS), labels
+        assert (
+            form_field(page, "Cluster").locator(form_field(page, "Work Pool")).count() == 1
+        )  # in its section
+        height, fields = form_size(page)
+        print(f"run form: {height:.0f} px high, {fields} fields")
+        assert fields <= 20  # was 102 fields, 12,398 px
+        assert "Property is type" not in page.locator("form").first.inner_text()  # no X | None toggles
         documented = {" ".join(d.split()) for d in descriptions(deployment.parameter_openapi_schema)}
         rendered = [
             " ".join(t.split()) for t in page.locator(".schema-form-property__description").all_inner_texts()
         ]
         assert rendered and [t for t in rendered if t and t not in documented] == []
-        form_field(page, "Parallel").scroll_into_view_if_needed()
-        open_choices(page, accelerator)
-        assert set(page.get_by_role("option").all_inner_texts()) >= {"cpu", "gpu", "tpu", "trainium"}
-        page.screenshot(path=DOCS / "ui-run-form.png")
+        preset = form_field(page, "Preset")
+        open_choices(page, preset)
+        assert set(page.get_by_role("option").all_inner_texts()) >= {"tiny", "small", "llama3-8b", "custom"}
         page.keyboard.press("Escape")
         page.get_by_role("option").first.wait_for(state="hidden")
+        page.set_viewport_size(VIEWPORT)
 
         # The form refuses an impossible layout itself: no flow run is created.
         parameters_menu(page, "Use JSON input")
@@ -311,3 +330,26 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
     page.goto(f"{url}/artifacts/artifact/{loss_curve.id}", wait_until="networkidle")
     page.locator("img[alt='loss curve']").first.wait_for()
     page.screenshot(path=DOCS / "ui-loss-curve.png")
+
+    # A layout the server accepts but the flow refuses: its Logs tab shows the spec error, one line, no
+    # traceback (Prefect's engine logs its own traceback for any failed flow run; tasks/logs.py).
+    with get_client(sync_client=True) as client:
+        refused = tiny_spec_dict(tmp_path, "ui-refused", parallel={"dp_shard": 3})  # 2 chips
+        flow_run_id = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": refused}).id
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (run := client.read_flow_run(flow_run_id)).state.is_final():
+            assert time.monotonic() < deadline, f"flow run still {run.state.name} after {RUN_TIMEOUT_S} s"
+            time.sleep(1)
+        assert run.state.is_failed(), run.state
+    page.goto(f"{url}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
+    page.get_by_text("Logs", exact=True).first.click()
+    line = page.get_by_text("spec is invalid: ").first
+    for _ in range(30):  # logs reach the server after the final state, and the tab polls for them
+        try:
+            line.wait_for(timeout=2_000)
+            break
+        except playwright.TimeoutError:
+            page.reload(wait_until="networkidle")
+            page.get_by_text("Logs", exact=True).first.click()
+    assert "make the degrees multiply to the chip count" in line.inner_text()
+    assert "Traceback" not in page.locator("body").inner_text()
