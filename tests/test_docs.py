@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 from benchmarks.__main__ import parse_only
 from deployments.pools import POOLS
-from deployments.register import REPO_ROOT
 from tessera.cli import app
+from tessera.register import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
 RUN_FOR_REAL = {"validate", "schema", "plan", "render"}

@@ -32,8 +32,8 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.client.schemas.sorting import ArtifactSort
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from deployments.register import REPO_ROOT
 from tasks.keys import artifact_key
+from tessera.register import REPO_ROOT
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, free_port, server_env, start_process, stop_process, wait_healthy
 
