@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from deployments.register import ORCHESTRATOR_MEMORY_GIB
+from deployments.pools import ORCHESTRATOR_MEMORY_GIB
 from deployments.spec import TrainingSpec
 from trainer.plan.params import active_ffn_dim, count_params
 from trainer.units import GiB

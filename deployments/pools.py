@@ -14,6 +14,17 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
+# The flow-run pod only orchestrates (the training job gets the chips): no accelerator, small.
+# deployments/eval_placement.py evaluates in it only models that fit in this memory.
+ORCHESTRATOR_MEMORY_GIB = 4
+ORCHESTRATOR_POD = {
+    "node_selector": {},
+    "tolerations": [],
+    "resources": {
+        "requests": {"cpu": "1", "memory": f"{ORCHESTRATOR_MEMORY_GIB}Gi"},
+        "limits": {"memory": f"{ORCHESTRATOR_MEMORY_GIB}Gi"},
+    },
+}
 
 
 @dataclass(frozen=True)

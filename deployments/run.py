@@ -1,9 +1,10 @@
 """A run: one spec, built once into everything the CLI, flows, tasks, trainer and renderer need.
 
-A :class:`Run` owns the run's identity (its id, which names its directory), the resolved job
-(checkpoint location and cadence, the dataset), the plan, every path of its directory
-(:class:`trainer.rundir.RunDir`) and the torchrun command each launcher runs. Nothing else derives
-any of these. It imports no Prefect: ``tessera train`` opens a Run as the pipeline's tasks do.
+A :class:`Run` owns the run's identity (its id, which names its directory and its flow run), the
+resolved job (checkpoint location and cadence, the dataset, the run URL a remote run mirrors to), the
+plan, every path of its directory (:class:`trainer.rundir.RunDir`) and the torchrun command each
+launcher runs. :meth:`Run.open` decides all of them once; nothing else derives or rewrites any of
+these. It imports no Prefect: ``tessera train`` opens a Run as the pipeline's tasks do.
 
 The resume rules, which a user can predict:
 
@@ -22,7 +23,6 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +60,61 @@ TRAINING_NEUTRAL = (
 )
 
 
+FLOW_RUN_PREFIX = "train-"  # the pipeline names its flow runs train-<run id>
+CONTINUED = "-continued-"  # ... and a continuation train-<run id>-continued-<8 hex digits>
+
+
 class RunConflict(SpecError):
     """Continuing a run with a spec that trains differently, or a run that does not exist."""
 
 
+def _tail(token: str | None) -> str:
+    """The last 8 hex digits of the flow run's id when there is one (a retry keeps it), else random.
+    The last, because Prefect 3's flow run ids are time-ordered (UUIDv7): their first digits are a
+    timestamp that every run created in the same minute shares, their tail is random."""
+    return (token or uuid.uuid4().hex).replace("-", "")[-8:]
+
+
 def new_run_id(name: str, token: str | None = None) -> str:
-    """``<name>-<8 hex digits>``: the last 8 of the flow run's id when there is one (a retry keeps it),
-    else random. The last, because Prefect 3's flow run ids are time-ordered (UUIDv7): their first
-    digits are a timestamp that every run created in the same minute shares, their tail is random."""
-    return f"{name}-{(token or uuid.uuid4().hex).replace('-', '')[-8:]}"
+    """``<name>-<8 hex digits>``: a new run's id (see :func:`_tail`)."""
+    return f"{name}-{_tail(token)}"
+
+
+def run_id_for(spec: TrainingSpec, token: str | None = None) -> str:
+    """The id of the run a flow run of ``spec`` with id ``token`` opens: the one ``resume_from``
+    continues, else a new one. The only place a run's id is derived."""
+    return spec.resume_from or new_run_id(spec.name, token)
+
+
+def flow_run_name(spec: TrainingSpec, token: str) -> str:
+    """``train-<run id>``, so every flow run has a name of its own and ``tessera compare`` takes it; a
+    continuation is ``train-<run id>-continued-<8 hex digits>``, as the same run has several flow runs."""
+    name = FLOW_RUN_PREFIX + run_id_for(spec, token)
+    return f"{name}{CONTINUED}{_tail(token)}" if spec.resume_from else name
+
+
+def find_run(ref: str) -> RunDir:
+    """A run by its id (a directory under the runs root), its flow run's name, or its directory's path."""
+    run_id = ref.removeprefix(FLOW_RUN_PREFIX).split(CONTINUED)[0]
+    for path in (Path(ref), runs_root() / ref, runs_root() / run_id):
+        if (path / "run.json").is_file():
+            return RunDir(path.resolve())
+    raise UserError(
+        f"no run {ref!r}: give a run id (a directory under {runs_root()}), its flow run's name "
+        "(train-<run id>) or a run directory's path"
+    )
+
+
+def remote_run_url(spec: TrainingSpec, checkpoint_url: str, run_id: str) -> str | None:
+    """Where a Kubernetes run's files live while it trains: ``<checkpoint.url>/runs/<run id>``; None for
+    a run on this host, or one whose checkpoints are on a local path, which the renderer refuses.
+
+    A pod's own run directory dies with the pod, so the trainer mirrors its metrics there and the
+    train task follows them from there.
+    """
+    if spec.cluster.accelerator == "cpu" or "://" not in checkpoint_url:
+        return None
+    return storage.join(checkpoint_url, "runs", run_id)
 
 
 def _covered(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:
@@ -87,12 +133,23 @@ def training_changes(earlier: dict[str, Any], spec: TrainingSpec) -> list[str]:
 
 
 @dataclass(frozen=True)
+class TrainedRun:
+    """What the pipeline returns: the run it trained, so ``tessera run`` is told rather than guesses, and
+    its final checkpoint. Plain strings, so Prefect persists and shows it as any result."""
+
+    run_id: str
+    run_dir: str
+    final_checkpoint_url: str
+
+
+@dataclass(frozen=True)
 class Run:
-    """One training run of ``spec``: identity, directory, resolved job; built by :meth:`open`."""
+    """One training run of ``spec``: identity, directory, resolved job and plan; built by :meth:`open`."""
 
     spec: TrainingSpec
     dir: RunDir
     job: JobConfig
+    plan: Plan
 
     @property
     def run_id(self) -> str:
@@ -104,10 +161,6 @@ class Run:
         assert self.job.checkpoint.url is not None, "a Run's job is resolved"
         return self.job.checkpoint.url
 
-    @cached_property
-    def plan(self) -> Plan:
-        return plan_for_job(self.job)
-
     @classmethod
     def open(
         cls,
@@ -115,14 +168,16 @@ class Run:
         run_dir: RunDir | None = None,
         data_url: str | None = None,
         token: str | None = None,
+        on_this_host: bool = False,
     ) -> Run:
         """Start or continue a run, after the resume rules; writes ``run.json`` and ``job.json``.
 
         The directory is ``run_dir`` when given (``tessera train --run-dir``), else the run named by
         ``spec.resume_from``, else a new one named from ``token`` (the flow run id) under the runs root.
+        ``on_this_host``: trained here whatever the accelerator (``tessera train``), so no run URL.
         """
         if run_dir is None:
-            run_dir = RunDir(runs_root() / (spec.resume_from or new_run_id(spec.name, token)))
+            run_dir = RunDir(runs_root() / run_id_for(spec, token))
             if spec.resume_from and not run_dir.record.exists():
                 raise RunConflict(
                     f"resume_from={spec.resume_from!r}: no such run under {run_dir.path.parent}; give the id "
@@ -137,16 +192,25 @@ class Run:
                     f"{'; '.join(changes)}. Start a new run (leave resume_from empty), or list the fields in "
                     "allow_changes if continuing with the change is intended"
                 )
-        job = resolve_job(spec.job_config(data_url, run_id=run_dir.run_id), run_dir)
-        run = cls(spec, run_dir, job)
+        job = spec.job_config(data_url, run_id=run_dir.run_id)
+        plan = plan_for_job(
+            job
+        )  # the one plan of the run: the intervals, the plan task and the renderer read it
+        job = resolve_job(job, run_dir, plan)
+        assert job.checkpoint.url is not None, "resolve_job sets it"
+        if not on_this_host:
+            job = job.model_copy(update={"run_url": remote_run_url(spec, job.checkpoint.url, run_dir.run_id)})
+        run = cls(spec, run_dir, job, plan)
         run.write()
         return run
 
     @classmethod
     def load(cls, run_dir: RunDir) -> Run:
-        """The run recorded in ``run_dir`` as it was last opened (catch-up evaluation reads it)."""
+        """The run recorded in ``run_dir`` as it was last opened (catch-up evaluation reads it); its plan
+        is rebuilt from the recorded job, as no file holds it."""
         spec = TrainingSpec.model_validate(json.loads(run_dir.record.read_text())["spec"])
-        return cls(spec, run_dir, JobConfig.model_validate_json(run_dir.job.read_text()))
+        job = JobConfig.model_validate_json(run_dir.job.read_text())
+        return cls(spec, run_dir, job, plan_for_job(job))
 
     def write(self) -> None:
         self.dir.path.mkdir(parents=True, exist_ok=True)
@@ -217,19 +281,19 @@ class Run:
         """One torchrun agent of this run. Locally the defaults are right; a pod passes where its job
         file is mounted, its scratch run directory and the image's interpreter, and with replica fault
         tolerance the ``nodes`` of its replica group (default: the cluster's)."""
-        cluster = self.spec.cluster
+        hardware, faults = self.job.hardware, self.job.faults
         command = torchrun_command(
             job_path or self.dir.job,
             run_dir or self.dir.path,
-            cluster.chips_per_node,
-            nodes or cluster.nodes,
+            hardware.chips_per_node,
+            nodes or hardware.nodes,
             node_rank,
             rdzv_endpoint,
-            self.spec.faults.max_restarts,
+            faults.max_restarts,
             run_id=self.run_id,
-            min_nodes=self.spec.faults.min_nodes,
-            replacement_wait_s=self.spec.faults.replacement_wait_s,
-            warm_restart=self.spec.faults.warm_restart,
+            min_nodes=faults.min_nodes,
+            replacement_wait_s=faults.replacement_wait_s,
+            warm_restart=faults.warm_restart,
         )
         return [python, *command[1:]]
 

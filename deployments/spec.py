@@ -189,8 +189,11 @@ class TrainingSpec(Strict):
 
     def job_config(self, data_url: str | None, run_id: str | None = None) -> JobConfig:
         """The part the torchrun entry point needs, as the trainer's own config (unresolved: see
-        ``deployments.run.Run``, which decides the checkpoint location and cadence)."""
-        return JobConfig(
+        ``deployments.run.Run``, which decides the checkpoint location and cadence).
+
+        Constructed, not validated again: every part comes from this spec, whose validation has already
+        checked the layout; ``JobConfig``'s own check is for a job file read from disk."""
+        return JobConfig.model_construct(
             name=self.name,
             run_id=run_id,
             seed=self.seed,

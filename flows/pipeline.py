@@ -18,10 +18,17 @@ from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 from prefect.states import Completed, State
 
-from deployments.run import Run, new_run_id
+from deployments.run import Run, TrainedRun, flow_run_name
 from deployments.spec import TrainingSpec
 from tasks.cancellation import engine_owned_cancellation
-from tasks.checkpoints import evaluate_task, validate_checkpoint_task
+from tasks.checkpoints import (
+    evaluate_task,
+    evaluated_steps,
+    pin_for_evaluation,
+    unpin,
+    validate_checkpoint_task,
+    waiting_checkpoints,
+)
 from tasks.data import prepare_dataset_task
 from tasks.lineage import submit_produced_by
 from tasks.logs import one_line_spec_refusals
@@ -30,9 +37,6 @@ from tasks.provision import provisioned
 from tasks.report import report_task
 from tasks.run import open_run_task
 from tasks.train import retry_on_node_failure, train_task
-from trainer.checkpoint.commit import CommitRecord, list_checkpoints
-from trainer.checkpoint.pins import pin, unpin
-from trainer.report.compare import CONTINUED, FLOW_RUN_PREFIX
 
 EvalFuture = PrefectFuture[dict[str, Any] | None]
 one_line_spec_refusals()  # a spec the server accepted but the flow refuses: one line in the run's log
@@ -61,11 +65,6 @@ def in_flight(evaluation: Evaluation) -> bool:
     return not state.is_final() and state.name != "NotReady"
 
 
-def waiting(run: Run, skip: set[int]) -> list[CommitRecord]:
-    """The run's committed checkpoints not in ``skip``, oldest first."""
-    return [m for m in list_checkpoints(run.checkpoint_url) if m.step not in skip and m.good]
-
-
 def submit_evaluations(
     run: Run,
     skip: set[int],
@@ -80,14 +79,14 @@ def submit_evaluations(
     submitted before, at most ``eval.max_concurrent`` run at once and the newest checkpoints go first:
     the others wait for a later call (unpinned meanwhile, so retention may delete them first).
     """
-    chosen = waiting(run, skip)
+    chosen = waiting_checkpoints(run, skip)
     if running is not None:
         free = max(0, run.spec.eval.max_concurrent - sum(map(in_flight, running)))
         chosen = chosen[::-1][:free]
     evaluations = []
     for manifest in chosen:
         skip.add(manifest.step)
-        pin_url = pin(run.checkpoint_url, manifest.step, run.run_id)
+        pin_url = pin_for_evaluation(run, manifest.step)
         if training is None:
             validated = validate_checkpoint_task.submit(manifest.url, run.job)
         else:
@@ -114,19 +113,14 @@ def completed(evaluations: list[Evaluation]) -> tuple[list[dict[str, Any]], list
 
 
 def train_run_name() -> str:
-    """``train-<run id>``, the run this flow run opens, so every flow run has a name of its own and
-    ``tessera compare`` takes it; a continuation is ``train-<run id>-continued-<8 hex digits>``."""
-    spec = flow_run.parameters["spec"]
-    run_id = new_run_id(spec.name, flow_run.get_id())
-    if spec.resume_from:
-        return f"{FLOW_RUN_PREFIX}{spec.resume_from}{CONTINUED}{run_id.rsplit('-', 1)[1]}"
-    return FLOW_RUN_PREFIX + run_id
+    """The flow run's name, after the run it opens (``deployments.run.flow_run_name``)."""
+    return flow_run_name(flow_run.parameters["spec"], flow_run.get_id())
 
 
 @flow(name="train-pipeline", flow_run_name=train_run_name)
-def train_pipeline(spec: TrainingSpec) -> str | State[str]:
-    """Train ``spec`` end to end as a new run (or the one ``spec.resume_from`` names); returns the final
-    checkpoint URL."""
+def train_pipeline(spec: TrainingSpec) -> TrainedRun | State[TrainedRun]:
+    """Train ``spec`` end to end as a new run (or the one ``spec.resume_from`` names); returns which run
+    that was and its final checkpoint URL."""
     data_url = prepare_dataset_task(spec.data, spec.model.vocab_size, spec.train.seq_len, spec.seed)
     run = open_run_task(spec, data_url)
     plan = plan_task(run)
@@ -144,18 +138,19 @@ def train_pipeline(spec: TrainingSpec) -> str | State[str]:
             time.sleep(spec.eval.poll_interval_s)
         final_url = training.result()
     # The checkpoints still waiting, the final one first, as few at once as beside training.
-    while spec.eval.enabled and waiting(run, seen):
+    while spec.eval.enabled and waiting_checkpoints(run, seen):
         evaluations += submit_evaluations(run, seen, training, running=evaluations)
         time.sleep(spec.eval.poll_interval_s)
     results, missed = completed(evaluations)
     report_task(run, final_url, results, missed)
+    trained = TrainedRun(run.run_id, str(run.dir.path), final_url)
     # Trained nothing (already complete), or not every checkpoint was evaluated: say so in the final state.
     notes = [training.state.message] if training.state.message else []
     if missed:
         notes.append(f"{len(missed)} evaluation(s) could not run: {'; '.join(missed)}")
     if notes:
-        return Completed(message="; ".join(notes), data=final_url)
-    return final_url
+        return Completed(message="; ".join(notes), data=trained)
+    return trained
 
 
 @flow(name="evaluate-checkpoints", flow_run_name="evaluate-{spec.name}")
@@ -164,6 +159,5 @@ def evaluate_checkpoints(spec: TrainingSpec) -> list[dict[str, Any]]:
     evaluations: list[Evaluation] = []
     for run_dir in Run.of_spec(spec.name):
         run = Run.load(run_dir)
-        done = {m.step for m in list_checkpoints(run.checkpoint_url) if run_dir.eval_record(m.step).exists()}
-        evaluations += submit_evaluations(run, done)
+        evaluations += submit_evaluations(run, evaluated_steps(run))
     return completed(evaluations)[0]

@@ -22,7 +22,8 @@ from deployments.eval_placement import eval_placement
 from deployments.run import Run
 from tasks.curves import inline_png, plot_loss_curve
 from tasks.keys import artifact_key
-from trainer.checkpoint.pins import unpin
+from trainer.checkpoint.commit import CommitRecord, list_checkpoints
+from trainer.checkpoint.pins import pin, unpin
 from trainer.checkpoint.validate import ValidationResult, validate_checkpoint
 from trainer.config import JobConfig
 from trainer.evaluate import evaluation_record
@@ -33,6 +34,21 @@ from trainer.rundir import RunDir
 def read_evals(run_dir: RunDir) -> list[dict[str, Any]]:
     """Every stored evaluation of the run, by step."""
     return [json.loads(p.read_text()) for p in sorted(run_dir.evals.glob("step-*.json"))]
+
+
+def waiting_checkpoints(run: Run, skip: set[int]) -> list[CommitRecord]:
+    """The run's committed checkpoints not in ``skip``, oldest first: what the pipeline evaluates next."""
+    return [m for m in list_checkpoints(run.checkpoint_url) if m.step not in skip and m.good]
+
+
+def evaluated_steps(run: Run) -> set[int]:
+    """The run's checkpoints that have a stored evaluation: what catch-up evaluation skips."""
+    return {m.step for m in list_checkpoints(run.checkpoint_url) if run.dir.eval_record(m.step).exists()}
+
+
+def pin_for_evaluation(run: Run, step: int) -> str:
+    """Keep retention off checkpoint ``step`` until its evaluation is over; the pin's URL, for :func:`unpin`."""
+    return pin(run.checkpoint_url, step, run.run_id)
 
 
 def _validate_run_name() -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from prefect import get_run_logger, task
@@ -22,7 +22,6 @@ from deployments.kubernetes.client import delete_manifests
 from deployments.kubernetes.render import (
     Manifest,
     render_manifests,
-    run_url,
     validate_manifests,
     write_manifests,
 )
@@ -58,8 +57,6 @@ def provision_task(run: Run) -> LaunchTarget:
     cluster = run.spec.cluster
     if cluster.accelerator == "cpu":
         return LaunchTarget("local", run, f"127.0.0.1:{free_port()}" if cluster.nodes > 1 else None)
-    # The pods mirror their metrics to the run URL; the train task follows them there.
-    run = replace(run, job=run.job.model_copy(update={"run_url": run_url(run)}))
     manifests = render_manifests(run)
     validate_manifests(manifests)
     path = write_manifests(manifests, run.dir.manifests)

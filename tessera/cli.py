@@ -253,7 +253,7 @@ def train(
         )
     if data is not None:
         data_cards(data)  # a missing dataset: one line here, not a failure in every rank after launch
-    run = Run.open(loaded, RunDir(run_dir), data_url=data)
+    run = Run.open(loaded, RunDir(run_dir), data_url=data, on_this_host=True)
     try:
         with stop_on_signals(), run.claim(), StepProgress(lambda: run.dir.metrics, loaded.train.steps):
             if data is None:
@@ -315,22 +315,21 @@ def run(spec: SpecPath) -> None:
         logging.getLogger(runs).addFilter(without_user_error_tracebacks)
 
     def this_run() -> Path | None:
-        """The run the flow opens: the continued one, or the newest of the spec since this command began."""
+        """The live progress bar's run: the one the flow opens, whose id the flow run has not told yet
+        (the newest of the spec since this command began). The final lines name the run the flow returns."""
         runs = [r for r in Run.of_spec(loaded.name) if r.record.stat().st_mtime >= started]
         return runs[-1].metrics if runs else None
 
     try:
         with stop_on_signals(), StepProgress(this_run, loaded.train.steps):
-            final = train_pipeline(loaded)
+            trained = train_pipeline(loaded)
     except Stopped as stop:  # the flow's tear-down stopped the agents; Prefect's server stops at exit
         typer.secho(f"{stop}; the run stopped, its checkpoints are kept", err=True)
         raise typer.Exit(128 + stop.signum) from None
-    directory = this_run()
     typer.echo(
-        f"\nfinal checkpoint: {final}\nrun dir:          {directory.parent if directory else '-'}  "
+        f"\nfinal checkpoint: {trained.final_checkpoint_url}\nrun dir:          {trained.run_dir}  "
         f"(metrics.jsonl, loss.png, evals/, report.md)\nartifacts:        prefect artifact ls  (keys "
-        f"{directory.parent.name if directory else '<run id>'}-plan, -progress, -eval, -loss-curve, -report, "
-        "-comparison)"
+        f"{trained.run_id}-plan, -progress, -eval, -loss-curve, -report, -comparison)"
     )
 
 
@@ -351,8 +350,8 @@ def submit(
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from deployments.register import NoServer, require_server
     from deployments.spec import apply_overrides, parse_spec
+    from tessera.register import NoServer, require_server
 
     try:
         require_server()
@@ -393,8 +392,9 @@ def compare(
 
     Example: tessera compare tiny-local-3f2a9c1b tiny-local-7d01e4aa
     """
+    from deployments.run import find_run
     from tasks.compare import write_comparison
-    from trainer.report.compare import RunRecord, find_run
+    from trainer.report.compare import RunRecord
     from trainer.rundir import runs_root
 
     if len(runs) < 2:
@@ -530,7 +530,7 @@ def pools() -> None:
 
     Example: PREFECT_API_URL=http://127.0.0.1:4200/api tessera pools
     """
-    from deployments.register import NoServer, ensure_pools
+    from tessera.register import NoServer, ensure_pools
 
     try:
         names = ensure_pools()
@@ -552,7 +552,7 @@ def deploy(
 
     Example: PREFECT_API_URL=http://127.0.0.1:4200/api tessera deploy
     """
-    from deployments.register import (
+    from tessera.register import (
         NoServer,
         checkout,
         deploy_all,

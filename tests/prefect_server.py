@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.register import REPO_ROOT
+from tessera.register import REPO_ROOT
 
 STARTUP_TIMEOUT_S = 120  # ~11 s on an idle machine; the CI box is shared
 

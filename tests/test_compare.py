@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from deployments.run import Run
+from deployments.run import Run, find_run
 from tessera.cli import app
 from tests.pipeline_specs import tiny_spec
 from trainer.metrics import MetricsWriter
 from trainer.plan.measured import planned_vs_measured
-from trainer.report.compare import RunRecord, find_run, outcome_rows, spec_diff
+from trainer.report.compare import RunRecord, outcome_rows, spec_diff
 from trainer.rundir import RunDir
 from trainer.units import GiB
 

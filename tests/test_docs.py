@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 from benchmarks.__main__ import parse_only
 from deployments.pools import POOLS
-from deployments.register import REPO_ROOT
 from tessera.cli import app
+from tessera.register import REPO_ROOT
 
 DOCS = {
     path.relative_to(REPO_ROOT).as_posix(): path.read_text()

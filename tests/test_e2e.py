@@ -36,10 +36,10 @@ from prefect.exceptions import PrefectHTTPStatusError
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelled, Cancelling, Scheduled
 
-from deployments.register import REPO_ROOT
 from deployments.run import Run
 from deployments.spec import TrainingSpec
 from tasks.keys import artifact_key
+from tessera.register import REPO_ROOT
 from tests.fault_report import FaultRow, record
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, server_env, start_process, stop_process

@@ -43,8 +43,12 @@ NAMESPACE = "default"
 ACCELERATOR_SPECS = ["gpu-llama3-8b-h100", "tpu-llama3-70b-v5p", "trainium-llama3-70b-trn2"]
 
 
-def run_of(name: str) -> Run:
+def run_of(name: str, checkpoint_url: str | None = None) -> Run:
     spec = load_spec(SPEC_DIR / f"{name}.yaml")
+    if checkpoint_url is not None:
+        spec = spec.model_copy(
+            update={"checkpoint": spec.checkpoint.model_copy(update={"url": checkpoint_url})}
+        )
     root = Path(tempfile.mkdtemp())
     return Run.open(spec, RunDir(root / f"{spec.name}-0123abcd"), data_url="s3://b/d/manifest.json")
 
@@ -106,11 +110,7 @@ def test_a_prompt_is_passed_literally_not_expanded_by_kubernetes() -> None:
 
 def memory_run(tmp_path: Path) -> Run:
     """The 8B GPU run with its checkpoints (and so its run URL) in fsspec's in-memory store."""
-    run = run_of("gpu-llama3-8b-h100")
-    url = f"memory://{tmp_path.name}/checkpoints"
-    return replace(
-        run, job=run.job.model_copy(update={"checkpoint": run.job.checkpoint.model_copy(update={"url": url})})
-    )
+    return run_of("gpu-llama3-8b-h100", f"memory://{tmp_path.name}/checkpoints")
 
 
 def play_job(

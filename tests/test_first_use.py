@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import benchmarks.__main__ as bench
-from deployments.register import REPO_ROOT, checkout
+from tessera.register import REPO_ROOT, checkout
 from trainer.failures import UserError
 
 

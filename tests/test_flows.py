@@ -29,7 +29,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import Artifact, TaskRun
 from prefect.futures import wait
 
-from deployments.run import Run, new_run_id
+from deployments.run import Run, TrainedRun, new_run_id
 from flows.pipeline import Evaluation, completed, evaluate_checkpoints, submit_evaluations, train_pipeline
 from tasks.keys import ArtifactKind, artifact_key
 from tests.fault_report import FaultRow, record
@@ -176,7 +176,7 @@ def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
         (8, "validated"),
         (12, "validated"),
     ]
-    assert state.result() == checkpoints[-1].url
+    assert state.result() == TrainedRun(run.run_id, str(run.path.resolve()), checkpoints[-1].url)
     evals = [json.loads(p.read_text()) for p in sorted(run.evals.glob("*.json"))]
     assert [e["step"] for e in evals] == [4, 8, 12] and all(e["perplexity"] > 1 for e in evals)
     assert run.loss_curve.stat().st_size > 0 and "| 12 | validated |" in run.report.read_text()

@@ -29,9 +29,9 @@ from deployments.kubernetes.render import (
     write_manifests,
 )
 from deployments.pools import POOLS, base_job_template
-from deployments.register import PREFECT_YAML, REPO_ROOT, render_prefect_yaml
 from deployments.run import Run
 from deployments.spec import SPEC_DIR, SpecError, load_spec, parse_spec, read_yaml
+from tessera.register import PREFECT_YAML, REPO_ROOT, render_prefect_yaml
 from tests.crd_schemas import crd_errors
 from trainer.failures import EXIT_HANG, EXIT_INFRA, EXIT_USER_ERROR
 from trainer.rundir import RunDir
@@ -268,7 +268,7 @@ def test_pool_templates_are_prefect_kubernetes_templates_differing_only_in_accel
 
 
 def test_prefect_yaml_is_generated_from_the_specs() -> None:
-    assert PREFECT_YAML.read_text() == render_prefect_yaml(), "regenerate it: python -m deployments.register"
+    assert PREFECT_YAML.read_text() == render_prefect_yaml(), "regenerate it: python -m tessera.register"
     config = yaml.safe_load(PREFECT_YAML.read_text())
     deployments = {(d["entrypoint"].rsplit(":", 1)[1], d["name"]): d for d in config["deployments"]}
     for spec_file in SPEC_DIR.glob("*.yaml"):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.register import REPO_ROOT
+from tessera.register import REPO_ROOT
 
 # Follows a metrics file the way `tessera run` and `tessera train` do, for a little over two polls.
 FOLLOW = """

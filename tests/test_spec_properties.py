@@ -19,6 +19,7 @@ from prefect.utilities.schema_tools.validation import validate
 
 from deployments.spec import SpecError, TrainingSpec, load_spec, parse_spec
 from flows.pipeline import train_pipeline
+from trainer.config import JobConfig
 from trainer.failures import UserError
 from trainer.plan import plan_for_job
 
@@ -102,9 +103,11 @@ def accept_or_name_the_field(spec: dict[str, Any], section: str) -> None:
         assert section in str(error) or "\nspec: " in str(error), str(error)
         return
     assert time.perf_counter() - start < VALIDATE_BOUND_S, spec
+    # The job it becomes is one the trainer accepts when it reads job.json.
+    job = JobConfig.model_validate_json(parsed.job_config(data_url=None).model_dump_json())
     # A spec that validates but does not fit the cluster is a clear user error, before any launch.
     with contextlib.suppress(UserError):
-        plan_for_job(parsed.job_config(data_url=None))
+        plan_for_job(job)
 
 
 @pytest.mark.slow

@@ -32,8 +32,8 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.client.schemas.sorting import ArtifactSort
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from deployments.register import REPO_ROOT
 from tasks.keys import artifact_key
+from tessera.register import REPO_ROOT
 from tests.pipeline_specs import tiny_spec_dict
 from tests.prefect_server import CPU_WORKER, free_port, server_env, start_process, stop_process, wait_healthy
 
@@ -240,7 +240,10 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
         print(f"run form: {height:.0f} px high, {fields} fields")
         assert fields <= 20  # was 102 fields, 12,398 px
         assert "Property is type" not in page.locator("form").first.inner_text()  # no X | None toggles
-        documented = {" ".join(d.split()) for d in descriptions(deployment.parameter_openapi_schema)}
+        # the form renders descriptions as markdown: `code` loses its backticks
+        documented = {
+            " ".join(d.replace("`", "").split()) for d in descriptions(deployment.parameter_openapi_schema)
+        }
         rendered = [
             " ".join(t.split()) for t in page.locator(".schema-form-property__description").all_inner_texts()
         ]

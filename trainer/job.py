@@ -9,25 +9,27 @@ from __future__ import annotations
 
 from trainer.config import JobConfig
 from trainer.failures import UserError
-from trainer.plan import plan_for_job, resolve_checkpoint_interval, resolve_memory_interval
+from trainer.plan import Plan, plan_for_job, resolve_checkpoint_interval, resolve_memory_interval
 from trainer.rundir import RunDir
 
 
-def resolve_job(job: JobConfig, run_dir: RunDir) -> JobConfig:
+def resolve_job(job: JobConfig, run_dir: RunDir, plan: Plan | None = None) -> JobConfig:
     """``job`` with ``checkpoint.url`` defaulted to the run's (absolute, so every process agrees on it),
     both tiers' intervals fixed (the planner's Young/Daly optima for ``auto``; see trainer.plan) and the
-    model FLOPs per step that MFU is measured against."""
+    model FLOPs per step that MFU is measured against. ``plan``: the job's plan, which a Run has built
+    once; a library caller without one gets it built here."""
+    plan = plan if plan is not None else plan_for_job(job)
     checkpoint = job.checkpoint
     if checkpoint.url is None:
         checkpoint = checkpoint.model_copy(update={"url": str(run_dir.checkpoints.resolve())})
-    interval = job.checkpoint_interval_steps or resolve_checkpoint_interval(job)
-    memory = job.memory_interval_steps or resolve_memory_interval(job)
+    interval = job.checkpoint_interval_steps or resolve_checkpoint_interval(job, plan)
+    memory = job.memory_interval_steps or resolve_memory_interval(job, plan)
     return job.model_copy(
         update={
             "checkpoint": checkpoint,
             "checkpoint_interval_steps": interval,
             "memory_interval_steps": memory,
-            "flops_per_step": job.flops_per_step or plan_for_job(job).flops_per_step,
+            "flops_per_step": job.flops_per_step or plan.flops_per_step,
         }
     )
 

@@ -171,18 +171,14 @@ def pod_hostnames(run: Run) -> list[str]:
 
 
 def run_url(run: Run) -> str:
-    """Where a Kubernetes run's files live while it trains: ``<checkpoint.url>/runs/<run id>``.
-
-    A pod's own run directory dies with the pod, so the trainer mirrors its metrics there and the
-    train task follows them from there. It must be an object store every pod and the orchestrator reach.
-    """
-    url = run.checkpoint_url
-    if "://" not in url:
+    """The run URL :meth:`Run.open` gave a Kubernetes run (``deployments.run.remote_run_url``); a run
+    without one keeps its checkpoints on a local path, which pods cannot reach."""
+    if run.job.run_url is None:
         raise ValueError(
-            f"checkpoint.url={url!r} is a local path, which pods on other machines cannot share; "
-            "set checkpoint.url to gs://bucket/path or s3://bucket/path for a Kubernetes run"
+            f"checkpoint.url={run.checkpoint_url!r} is a local path, which pods on other machines cannot "
+            "share; set checkpoint.url to gs://bucket/path or s3://bucket/path for a Kubernetes run"
         )
-    return storage.join(url, "runs", run.run_id)
+    return run.job.run_url
 
 
 def training_deadline_s(run: Run) -> int:
@@ -254,12 +250,12 @@ def render_manifests(run: Run) -> list[Manifest]:
         "tessera/spec": run.spec.name,
     }
     namespace = run.spec.cluster.namespace
-    job = run.job.model_copy(update={"run_url": run_url(run)})
+    run_url(run)  # a run the pods cannot mirror to is refused before anything is rendered
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": f"{name}-job", "namespace": namespace, "labels": dict(labels)},
-        "data": {"job.json": job.model_dump_json(indent=2)},
+        "data": {"job.json": run.job.model_dump_json(indent=2)},
     }
     return [config_map, training_jobset(run, name, labels)]
 

@@ -189,16 +189,18 @@ def plan_for_job(job: JobConfig) -> Plan:
     return make_plan(job.model, job.parallel, job.train, job.hardware, job.checkpoint)
 
 
-def resolve_checkpoint_interval(job: JobConfig) -> int:
-    """Steps between checkpoints: the fixed interval, or the planner's Young/Daly optimum for 'auto'."""
+def resolve_checkpoint_interval(job: JobConfig, plan: Plan | None = None) -> int:
+    """Steps between checkpoints: the fixed interval, or the planner's Young/Daly optimum for 'auto'
+    (from ``plan``, the job's plan, when the caller has built it)."""
     if job.checkpoint.interval != "auto":
         return job.checkpoint.interval
-    return plan_for_job(job).checkpoint_interval_steps
+    return (plan or plan_for_job(job)).checkpoint_interval_steps
 
 
-def resolve_memory_interval(job: JobConfig) -> int | None:
-    """Steps between in-memory snapshots: None when the tier is off, else fixed or the planner's optimum."""
+def resolve_memory_interval(job: JobConfig, plan: Plan | None = None) -> int | None:
+    """Steps between in-memory snapshots: None when the tier is off, else fixed or the planner's optimum
+    (from ``plan``, the job's plan, when the caller has built it)."""
     memory = job.checkpoint.memory_interval
     if memory == "off":
         return None
-    return plan_for_job(job).memory_interval_steps if memory == "auto" else memory
+    return (plan or plan_for_job(job)).memory_interval_steps if memory == "auto" else memory

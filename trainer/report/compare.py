@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from trainer.failures import UserError
 from trainer.metrics import load_metrics
 from trainer.plan.measured import markdown_table, median_of, steady
-from trainer.rundir import RunDir, runs_root
-
-FLOW_RUN_PREFIX = "train-"  # the pipeline names its flow runs train-<run id>
-CONTINUED = "-continued-"  # ... and a continuation train-<run id>-continued-<8 hex digits>
+from trainer.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -41,19 +36,6 @@ class RunRecord:
             [json.loads(p.read_text()) for p in sorted(run_dir.evals.glob("step-*.json"))],
             metrics.skipped_note(run_dir.metrics.name),
         )
-
-
-def find_run(ref: str) -> RunDir:
-    """A run by its id (a directory under the runs root), its flow run's name, or its directory's path."""
-    run_id = ref.removeprefix(FLOW_RUN_PREFIX).split(CONTINUED)[0]
-    candidates = [Path(ref), runs_root() / ref, runs_root() / run_id]
-    for path in candidates:
-        if (path / "run.json").is_file():
-            return RunDir(path.resolve())
-    raise UserError(
-        f"no run {ref!r}: give a run id (a directory under {runs_root()}), its flow run's name "
-        "(train-<run id>) or a run directory's path"
-    )
 
 
 def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:

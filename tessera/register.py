@@ -1,5 +1,7 @@
 """Register tessera with a Prefect server: work pools, and deployments from ``prefect.yaml``.
 
+It names the flows' entry points, so it sits in the top layer with the CLI, above ``flows/``.
+
 ``prefect.yaml`` at the repo root is generated from the spec files (one source of truth: the
 specs) by :func:`prefect_yaml` and checked in, so ``prefect deploy --all`` works from the repo root;
 a test keeps the two in sync. ``tessera deploy`` = create/update the pools, regenerate, deploy.
@@ -19,7 +21,7 @@ from prefect.client.schemas.actions import DeploymentUpdate, WorkPoolCreate, Wor
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.settings import PREFECT_API_URL
 
-from deployments.pools import POOLS, base_job_template
+from deployments.pools import ORCHESTRATOR_POD, POOLS, base_job_template
 from deployments.spec import SPEC_DIR, load_spec, read_yaml
 from trainer.failures import UserError
 
@@ -30,17 +32,6 @@ EVALUATE = "flows/pipeline.py:evaluate_checkpoints"
 IMAGE_WORKDIR = "/opt/tessera"  # where the container images hold this repo
 NIGHTLY_SPEC = "local-cpu"
 EVAL_INTERVAL_S = 1800  # catch-up evaluation; the pipeline itself evaluates while training
-# The flow-run pod only orchestrates (the training job gets the chips): no accelerator, small.
-# deployments/eval_placement.py evaluates in it only models that fit in this memory.
-ORCHESTRATOR_MEMORY_GIB = 4
-ORCHESTRATOR_POD = {
-    "node_selector": {},
-    "tolerations": [],
-    "resources": {
-        "requests": {"cpu": "1", "memory": f"{ORCHESTRATOR_MEMORY_GIB}Gi"},
-        "limits": {"memory": f"{ORCHESTRATOR_MEMORY_GIB}Gi"},
-    },
-}
 
 
 class NoServer(RuntimeError):
@@ -143,7 +134,7 @@ class _PlainDumper(yaml.SafeDumper):
 
 
 def render_prefect_yaml(spec_dir: Path = SPEC_DIR) -> str:
-    header = "# Generated from deployments/specs/*.yaml by `python -m deployments.register`: edit the specs, not this.\n"
+    header = "# Generated from deployments/specs/*.yaml by `python -m tessera.register`: edit the specs, not this.\n"
     return header + yaml.dump(prefect_yaml(spec_dir), Dumper=_PlainDumper, sort_keys=False, width=110)
 
 
