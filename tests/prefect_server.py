@@ -23,12 +23,20 @@ import pytest
 from tessera.register import REPO_ROOT
 
 STARTUP_TIMEOUT_S = 120  # ~11 s on an idle machine; the CI box is shared
+# A busy box stalls SQLite past Prefect's defaults (10 s per query, 5 s to connect), and the server then
+# answers 503 to a healthy request (seen on create_flow_run at a load average of 27): the tests' servers
+# wait as long as a test would, rather than fail a healthy run.
+DATABASE_TIMEOUTS = {
+    "PREFECT_SERVER_DATABASE_TIMEOUT": "120",
+    "PREFECT_SERVER_DATABASE_CONNECTION_TIMEOUT": "60",
+}
 
 
 @pytest.fixture(scope="session")
 def prefect_harness() -> Iterator[None]:
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # avoids SQLite "database is locked" noise
     os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"  # tasks called outside a flow
+    os.environ.update(DATABASE_TIMEOUTS)
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=STARTUP_TIMEOUT_S):
@@ -42,6 +50,7 @@ def server_env(api_url: str, home: Path) -> dict[str, str]:
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": "false",
+        **DATABASE_TIMEOUTS,
     }
 
 
