@@ -30,10 +30,9 @@ FLEX_DEVICES = ("cuda",)
 
 @dataclass(frozen=True)
 class Documents:
-    """The documents of one micro-batch [B, T]: each token's document and position within it, and the
+    """The documents of one micro-batch [B, T]: each token's position within its document, and the
     mask every attention layer applies (``block_mask`` on FLEX_DEVICES, else ``dense``)."""
 
-    ids: Tensor  # [B, T] int32, the document index of each token within its row
     positions: Tensor  # [B, T] int64, each token's offset from its document's first token
     block_mask: BlockMask | None
     dense: Tensor | None  # [B, 1, T, T] bool, True where a query may attend to a key
@@ -41,7 +40,7 @@ class Documents:
 
 def find_documents(tokens: Tensor, eos_id: int | None) -> Documents:
     """Documents of ``tokens`` [B, T]; ``eos_id`` None (no dataset, e.g. synthetic tokens): one per row."""
-    batch, seq = tokens.shape
+    seq = tokens.shape[1]
     steps = torch.arange(seq, device=tokens.device)
     ends = tokens == eos_id if eos_id is not None else torch.zeros_like(tokens, dtype=torch.bool)
     # A document starts at position 0 and right after each EOS.
@@ -49,19 +48,20 @@ def find_documents(tokens: Tensor, eos_id: int | None) -> Documents:
     ids = (starts.cumsum(1) - 1).to(torch.int32)
     first = torch.where(starts, steps, 0).cummax(1).values
     if tokens.device.type in FLEX_DEVICES:
-        mask = create_block_mask(_document_causal(ids), batch, None, seq, seq, device=tokens.device)
-        return Documents(ids, steps - first, mask, None)
+        return Documents(steps - first, document_block_mask(ids), None)
     dense = (ids[:, :, None] == ids[:, None, :]) & (steps[:, None] >= steps[None, :])
-    return Documents(ids, steps - first, None, dense[:, None])
+    return Documents(steps - first, None, dense[:, None])
 
 
-def _document_causal(ids: Tensor) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """Flex's mask_mod: a query sees earlier keys of its own document."""
+def document_block_mask(ids: Tensor) -> BlockMask:
+    """Flex's mask of document ids [B, T]: a query sees earlier keys of its own document. Shared by
+    every head (H=None), so tensor parallelism's head split leaves it whole."""
 
     def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
         return (q >= kv) & (ids[b, q] == ids[b, kv])
 
-    return mask_mod
+    batch, seq = ids.shape
+    return create_block_mask(mask_mod, batch, None, seq, seq, device=ids.device)
 
 
 def document_attention(q: Tensor, k: Tensor, v: Tensor, docs: Documents) -> Tensor:
