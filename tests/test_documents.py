@@ -11,9 +11,14 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch.nn.attention.flex_attention import flex_attention
 
-from trainer.config import JobConfig, ModelConfig
+from trainer.backends.chips import get_chip
+from trainer.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.models.documents import document_attention, document_block_mask, find_documents
 from trainer.models.llama.model import Transformer
+from trainer.plan.compute import block_attention_seconds
+from trainer.plan.hbm import estimate_memory
+from trainer.plan.layout import Geometry
+from trainer.plan.profile import catalog_profile
 from trainer.rank.loss import token_loss
 
 EOS = 0
@@ -176,3 +181,22 @@ def test_the_fingerprint_of_a_causal_model_is_the_one_its_checkpoints_carry() ->
     legacy = hashlib.sha256(json.dumps(before_the_fields, sort_keys=True).encode()).hexdigest()[:16]
     assert causal.model_fingerprint() == legacy
     assert JobConfig(model={"attention": "document"}).model_fingerprint() != legacy
+
+
+@pytest.mark.parametrize(
+    ("accelerator", "chip", "attention_factor"), [("cpu", "cpu", 2.0), ("gpu", "h100-sxm", 1.0)]
+)
+def test_the_planner_prices_the_dense_mask_off_gpus_and_flex_as_causal_on_them(
+    accelerator: str, chip: str, attention_factor: float
+) -> None:
+    train = TrainConfig(seq_len=1024, global_batch_size=4, micro_batch_size=2)
+    causal, document = (
+        Geometry(ModelConfig(preset="tiny", attention=attention), ParallelConfig(), train, accelerator)
+        for attention in ("causal", "document")
+    )
+    hw = catalog_profile(get_chip(chip))
+    assert block_attention_seconds(document, hw) == pytest.approx(
+        attention_factor * block_attention_seconds(causal, hw)
+    )
+    mask_bytes = 2 * 1024**2 if accelerator == "cpu" else 0  # one bool per (query, key) of a micro-batch
+    assert estimate_memory(document).buffers - estimate_memory(causal).buffers == mask_bytes
