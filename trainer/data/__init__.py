@@ -25,7 +25,6 @@ _EXPORTS = {
     "require_card": "card",
     "StepLoader": "loader",
     "build_loader": "loader",
-    "document_eos_id": "loader",
     "load_tokenizer": "loader",
     "validation_batches": "loader",
     "plan_preparation": "prepare",
