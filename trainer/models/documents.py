@@ -1,8 +1,8 @@
 """Document masking: attention that stays inside each document packed into a sample.
 
 Samples are documents back to back, each ended by the end-of-text token (``trainer/data/pack.py``),
-so a token belongs to the document its most recent EOS *before* it ended; the EOS itself closes its
-own document. :func:`find_documents` works that out once per micro-batch from the token ids, and every
+so a document starts at a row's first token and right after each EOS, and each EOS belongs to the
+document it closes. :func:`find_documents` works that out once per micro-batch from the token ids, and every
 attention layer of the forward reuses it.
 
 Two kernels compute the same mask. Where FlexAttention trains (CUDA: compiled to Triton, with a
