@@ -22,7 +22,7 @@ from trainer.data import (
 )
 from trainer.data.corpus import generated_documents
 from trainer.data.fetch import fetch_shard
-from trainer.data.loader import validation_sample
+from trainer.data.loader import document_eos_id, validation_sample
 from trainer.data.order import ShardedSamples
 
 VOCAB, SEQ = 512, 32
@@ -287,3 +287,17 @@ def test_given_tokenizer_and_multiprocess_map_give_the_same_dataset(dataset: str
     assert [s.sha256 for s in again.shards] == [s.sha256 for s in card.shards]
     with pytest.raises(DataError, match=r"has \d+ tokens but model.vocab_size=300"):
         prepare_dataset(cfg, 300, SEQ, seed=0)
+
+
+def test_document_attention_reads_the_end_of_text_id_from_the_dataset_card(dataset: str) -> None:
+    documents = job(dataset).model_copy(
+        update={"model": ModelConfig(preset="tiny", vocab_size=VOCAB, attention="document")}
+    )
+    assert (
+        document_eos_id(documents)
+        == read_card(dataset).eos_id
+        == load_tokenizer(dataset).token_to_id("<|endoftext|>")
+    )
+    # Causal attention needs no documents, and synthetic tokens have none (each row is one).
+    assert document_eos_id(job(dataset)) is None
+    assert document_eos_id(documents.model_copy(update={"data_url": None})) is None

@@ -169,6 +169,17 @@ class ModelConfig(Strict):
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share input embedding and output projection weights.")
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts layers (default: from preset; none).")
+    attention: Literal["causal", "document"] = Field(
+        "causal",
+        description="causal: a token attends to every earlier token of its sample, across the packed "
+        "documents; document: only to earlier tokens of its own document (each ends at the dataset's "
+        "end-of-text token), through FlexAttention. document needs parallel.cp=1 and parallel.pp=1.",
+    )
+    rope_positions: Literal["sequence", "document"] = Field(
+        "sequence",
+        description="RoPE positions count from the sample's start (sequence) or restart at 0 with each "
+        "document (document, as if it were alone; needs attention=document).",
+    )
 
     @field_validator("preset")
     @classmethod
@@ -201,6 +212,11 @@ class ModelConfig(Strict):
                 f"model.preset=custom needs model.{', model.'.join(missing)}; set them or pick a preset"
             )
         family_of(self).check(self)
+        if self.rope_positions == "document" and self.attention != "document":
+            raise ValueError(
+                "model.rope_positions=document needs model.attention=document (positions that restart at "
+                "a document are only meaningful if attention stays inside it); set both or neither"
+            )
         return self
 
     @property
@@ -576,6 +592,10 @@ class DataConfig(CorpusConfig):
         return {source.name: source for source in self.mixture.sources}
 
 
+# ModelConfig fields newer than the first checkpoints, with the defaults that leave fingerprints unchanged.
+LATER_MODEL_DEFAULTS = {"attention": "causal", "rope_positions": "sequence"}
+
+
 class JobConfig(Strict):
     """Everything ``python -m trainer.train`` needs, and nothing it must not know (no Prefect, no k8s)."""
 
@@ -629,5 +649,13 @@ class JobConfig(Strict):
         return self
 
     def model_fingerprint(self) -> str:
-        """Hash of the model's shape: a checkpoint with another fingerprint cannot be resumed into this job."""
-        return hashlib.sha256(json.dumps(self.model.model_dump(), sort_keys=True).encode()).hexdigest()[:16]
+        """Hash of the model's shape: a checkpoint with another fingerprint cannot be resumed into this job.
+
+        Fields added since checkpoints were first written count only when set away from their default,
+        so a model that leaves them alone keeps the fingerprint its existing checkpoints carry.
+        """
+        shape = self.model.model_dump()
+        for name, default in LATER_MODEL_DEFAULTS.items():
+            if shape[name] == default:
+                del shape[name]
+        return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]

@@ -29,7 +29,7 @@ from trainer.checkpoint import APP_KEY, CheckpointStoreError, check_model, read_
 from trainer.checkpoint.errors import CheckpointError
 from trainer.config import JobConfig
 from trainer.data.errors import DataError
-from trainer.data.loader import load_tokenizer, validation_sample
+from trainer.data.loader import document_eos_id, load_tokenizer, validation_sample
 from trainer.failures import EXIT_INFRA, EXIT_OK, EXIT_USER_ERROR, UserError, is_infra_error
 from trainer.models import family_of
 
@@ -50,6 +50,7 @@ def load_model(step_url: str, job: JobConfig) -> tuple[int, nn.Module]:
         raise CheckpointStoreError(f"checkpoint {step_url} has {state}; evaluate a committed checkpoint")
     check_model(manifest, job.model_fingerprint())
     model = family_of(job.model).build(job.model, job.train.seq_len)
+    model.eos_id = document_eos_id(job)
     store.load({APP_KEY: {"model": model.state_dict()}}, step_url, no_dist=True)
     return manifest.step, model.eval()
 

@@ -49,6 +49,7 @@ def layout_errors(
     errors += expert_parallel_errors(model, parallel)
     errors += context_parallel_errors(model, parallel, train)
     errors += float8_errors(parallel, hw)
+    errors += document_attention_errors(model, parallel)
     if model.tie_embeddings and parallel.pp > 1:
         # The embedding sits on the first stage and the output head on the last: they cannot share a tensor.
         errors.append("model.tie_embeddings needs parallel.pp=1; set tie_embeddings=false or pp=1")
@@ -147,6 +148,26 @@ def context_parallel_errors(model: ModelConfig, parallel: ParallelConfig, train:
         errors.append(
             "parallel.compile with parallel.cp > 1 is not supported (ring attention's point-to-point "
             "exchange does not trace into a full graph); set compile=false"
+        )
+    return errors
+
+
+def document_attention_errors(model: ModelConfig, parallel: ParallelConfig) -> list[str]:
+    """Document masking is built from the token ids on the rank that embeds them, over whole rows."""
+    if model.attention != "document":
+        return []
+    errors = []
+    if parallel.cp > 1:
+        errors.append(
+            f"model.attention=document with parallel.cp={parallel.cp} is not supported (ring attention "
+            "computes a causal mask over zigzag chunks and has no per-document mask); set parallel.cp=1 "
+            "or model.attention=causal"
+        )
+    if parallel.pp > 1:
+        errors.append(
+            f"model.attention=document with parallel.pp={parallel.pp} is not supported (later pipeline "
+            "stages receive hidden states, not the token ids the mask is built from); set parallel.pp=1 "
+            "or model.attention=causal"
         )
     return errors
 

@@ -53,7 +53,11 @@ MOE = {
 # DeepSeek-V3's bias balancing on top of the auxiliary loss, with a large rate so the biases steer routing
 # within the run; its biases must move identically on every layout (loads summed over every data rank).
 MOE_BIAS = {**MODEL, "moe": {**MOE["moe"], "balance": "bias", "bias_update_rate": 0.05}}
-BIAS_STEPS = 5  # the bias first acts on step 2: more steps for a missing all-reduce to show in the loss
+BIAS_STEPS = 5
+# Document masking with per-document RoPE; a 32-token vocabulary puts the end-of-text id (0) in about
+# half of the counting rows, so rows hold one or two documents.
+DOCUMENT = {**MODEL, "vocab_size": 32, "attention": "document", "rope_positions": "document"}
+EOS_ID = 0  # the bias first acts on step 2: more steps for a missing all-reduce to show in the loss
 
 # name -> (model dims, parallel section). Every layout uses all 4 processes.
 SHARDED_INIT = "ddp2_tp2_sharded_init"  # run after LAYOUTS: built on meta, only local shards initialized
@@ -79,6 +83,7 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "pp2_tp2_dualpipev": (MODEL, dict(pp=2, tp=2, pp_schedule="dualpipev", pp_virtual_stages=2)),
     "fsdp4_bf16": (MODEL, dict(dp_shard=4, mixed_precision="bf16")),
     "cp2_fsdp2": (MODEL, dict(dp_shard=2, cp=2)),
+    "document_fsdp2_tp2": (DOCUMENT, dict(dp_shard=2, tp=2)),
     "cp2_tp2_full_ac": (MODEL, dict(cp=2, tp=2, activation_checkpointing="full")),
     "moe_fsdp4": (MOE, dict(dp_shard=4)),
     "moe_ep2_fsdp2": (MOE, dict(dp_shard=4, ep=2)),
@@ -125,6 +130,7 @@ def train_reference(job: JobConfig) -> dict[str, list[float]]:
     """The unparallelized model on the whole global batch: what every layout must reproduce."""
     model = Transformer(job.model, max_seq_len=SEQ_LEN)
     model.init_weights(job.seed)
+    model.eos_id = EOS_ID
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     curves: dict[str, list[float]] = {"loss": [], "grad_norm": []}
     for step in range(job.train.steps):
@@ -141,6 +147,8 @@ def train_reference(job: JobConfig) -> dict[str, list[float]]:
 
 def train_layout(job: JobConfig, init_whole: bool) -> dict[str, Any]:
     pm = build_parallel_model(job, torch.device("cpu"), init_whole_max_params=2**30 if init_whole else 0)
+    for part in pm.parts:  # no dataset here to read it from (build_parallel_model's source)
+        part.eos_id = EOS_ID
     if not init_whole:
         check_replicas_agree(pm)
     optimizer = torch.optim.AdamW([p for part in pm.parts for p in part.parameters()], lr=LR)
@@ -179,6 +187,8 @@ def reference_name(job: JobConfig) -> str:
     """Which single-process reference curve a layout must reproduce."""
     if job.model.moe:
         return "moe_bias" if job.model.moe.balance == "bias" else "moe"
+    if job.model.attention == "document":
+        return "document"
     return "tied" if job.model.tie_embeddings else "untied"
 
 
@@ -264,6 +274,7 @@ def main(out_path: str) -> None:
             "tied": train_reference(job_for(TIED, {"dp_shard": WORLD})),
             "moe": train_reference(job_for(MOE, {"dp_shard": WORLD})),
             "moe_bias": train_reference(job_for(MOE_BIAS, {"dp_shard": WORLD})),
+            "document": train_reference(job_for(DOCUMENT, {"dp_shard": WORLD})),
         }
     runs = [(name, model, parallel, True) for name, (model, parallel) in LAYOUTS.items()]
     # The large-model path: built on meta, parallelized, then only local shards are initialized.

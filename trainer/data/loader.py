@@ -177,6 +177,14 @@ def data_cards(data_url: str) -> list[DatasetCard]:
     return [_source_card(data_url, entry.manifest) for entry in mixture.sources]
 
 
+def document_eos_id(job: JobConfig) -> int | None:
+    """The id ending each packed document, which model.attention=document splits rows at; None when the
+    model attends across documents or there are none (synthetic tokens: each row is then one document)."""
+    if job.model.attention != "document" or job.data_url is None:
+        return None
+    return data_cards(job.data_url)[0].eos_id  # a mixture's sources share one tokenizer
+
+
 def _source_card(mixture_url: str, relative: str) -> DatasetCard:
     return require_card(resolve(mixture_url.rstrip("/").rsplit("/", 1)[0], relative))
 

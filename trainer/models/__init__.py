@@ -86,7 +86,8 @@ class ModelFamily:
     ``build`` returns a module (on the current default device, ``meta`` when the trainer builds) whose
     blocks sit in ``layers`` (an ``nn.ModuleDict``: the units FSDP wraps, activation checkpointing and
     compile wrap, and pipeline stages split), with ``init_weights(seed)``, and ``forward(tokens,
-    targets)`` returning the mean token loss. ``parallelize`` applies the layout to one model or stage
+    targets)`` returning the mean token loss, and an ``eos_id`` attribute (None by default) that the
+    builder sets to the dataset's end-of-text id for ``model.attention=document``. ``parallelize`` applies the layout to one model or stage
     in place, refusing what the family does not support. ``presets``, ``check`` and ``count_params``
     run on every spec validation, so a family's ``__init__`` keeps torch out of them and imports its
     module and plans inside ``build``/``parallelize``/``hf``.

@@ -68,11 +68,12 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
 
 
 def _local_rope(
-    module: torch.nn.Module, args: tuple[Tensor, Tensor], cp_mesh: DeviceMesh
-) -> tuple[Tensor, Tensor]:
-    """Attention's forward pre-hook: the RoPE table's rows at this rank's positions."""
-    x, rope = args
-    return x, shard_sequence(rope, cp_mesh, dim=0)
+    module: torch.nn.Module, args: tuple[Tensor, Tensor, None], cp_mesh: DeviceMesh
+) -> tuple[Tensor, Tensor, None]:
+    """Attention's forward pre-hook: the RoPE table's rows at this rank's positions (no documents: the
+    spec refuses document attention with cp > 1)."""
+    x, rope, docs = args
+    return x, shard_sequence(rope, cp_mesh, dim=0), docs
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, group: ProcessGroup, fused: bool | None = None) -> Tensor:

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, PipelineSchedule
+from trainer.data.loader import document_eos_id
 from trainer.models import family_of, param_count
 from trainer.models.moe import auxiliary_loss_scale
 from trainer.parallel.context import shard_sequence
@@ -147,6 +148,7 @@ def build_parallel_model(
     mesh = build_mesh(cfg, device.type)
     with torch.device("meta"):
         model = family.build(job.model, job.train.seq_len)
+    model.eos_id = document_eos_id(job)
     init_whole = param_count(model) <= init_whole_max_params
     if init_whole:
         model.to_empty(device=device)

@@ -28,6 +28,9 @@ BACKWARD_ATTENTION = 2.5  # flash attention backward / forward FLOPs (FlashAtten
 # casts); compiled blocks fuse the element-wise ops into ~6 Triton/C++ kernels. Backward launches ~2×.
 BLOCK_KERNELS = {False: 45, True: 14}
 BACKWARD_KERNELS = 2
+# model.attention=document where FlexAttention has no backward (every accelerator but GPUs, see
+# trainer/models/documents.py): SDPA with a dense mask computes every tile, twice the causal kernel's.
+DENSE_MASK_WORK = 2.0
 
 
 @dataclass(frozen=True)
@@ -88,11 +91,17 @@ def fsdp_copy_bytes(geo: Geometry) -> float:
 
 def block_attention_seconds(geo: Geometry, hw: HardwareProfile) -> float:
     """Forward attention of one block on one chip: its tp share of the heads, and 1/cp of the causal
-    attention over whole sequences (context parallelism's ring steps are load-balanced)."""
+    attention over whole sequences (context parallelism's ring steps are load-balanced).
+
+    Document attention on GPUs is priced as causal: FlexAttention skips the tiles outside every
+    document, so this is an upper bound, exact when a document fills its sample (the planner does not
+    see document lengths). Elsewhere its dense mask costs DENSE_MASK_WORK × causal.
+    """
     model, par = geo.model, geo.parallel
     width = model.n_heads * model.head_dim / par.tp
     whole = attention_seconds(geo.train.micro_batch_size, geo.train.seq_len, width, hw, par.mixed_precision)
-    return whole / par.cp
+    dense_mask = model.attention == "document" and geo.accelerator != "gpu"
+    return whole / par.cp * (DENSE_MASK_WORK if dense_mask else 1.0)
 
 
 def matmul_precisions(geo: Geometry) -> list[MatmulPrecision]:

@@ -3,7 +3,8 @@
 Definition (PaLM, Chowdhery et al. 2022, Appendix B): model FLOPs per token = 6N + 12·L·s·d, where
 N counts the weights every token multiplies (all projections and the output layer; not the
 embedding lookup or norm gains) and 12·L·s·d is the attention score/value matmuls forward and
-backward over the full s×s square — causal masking is not discounted, as in PaLM and Megatron.
+backward over the full s×s square — causal masking is not discounted, as in PaLM and Megatron, and
+neither is document masking (model.attention=document), so MFU stays comparable across the two.
 MFU uses model FLOPs only, so recomputation never inflates it; hardware FLOPs add the recomputed
 forward passes (2N' + 4·L·s·d per recomputed part), which is what Megatron-LM's 96·B·s·l·h² formula
 (Narayanan et al. 2021, full recomputation) counts.

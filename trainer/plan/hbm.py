@@ -51,7 +51,7 @@ class MemoryBreakdown(BaseModel):
     grads: float
     optimizer: float
     activations: float
-    buffers: float  # FSDP's unsharded params/grads, CP's K/V chunks, the loss's fp32 log-probs and grads
+    buffers: float  # FSDP's unsharded params/grads, CP's K/V chunks, the document mask, the loss's fp32 log-probs and grads
     optimizer_temp: float  # AdamW's temporary during the step
     total: float  # peak over the fwd/bwd and optimizer phases (see module docstring)
 
@@ -182,6 +182,15 @@ def loss_buffer_bytes(geo: Geometry) -> float:
     return rows * vocab * (FP32 + e) + tokens * dim * e + FP32 * vocab * dim
 
 
+def document_mask_bytes(geo: Geometry) -> float:
+    """model.attention=document off GPUs: one dense boolean mask [B, 1, T, T] per micro-batch, shared by
+    every layer and kept for backward (trainer/models/documents.py). A GPU's FlexAttention block mask
+    holds a few int32 per 128×128 tile (~16·B·(T/128)² bytes): negligible, counted as none."""
+    if geo.model.attention != "document" or geo.accelerator == "gpu":
+        return 0.0
+    return geo.train.micro_batch_size * geo.train.seq_len**2
+
+
 def optimizer_temp_bytes(geo: Geometry) -> float:
     """AdamW's step temporary (sqrt of the second moment). On CUDA the trainer runs the fused kernel,
     which needs none; on other accelerators torch's default is the foreach path, one fp32 tensor list as
@@ -202,8 +211,10 @@ def estimate_memory(geo: Geometry) -> MemoryBreakdown:
     chip_params = geo.chip_params
     states = {name: per_param * chip_params for name, per_param in STATE_BYTES.items()}
     kept, recomputed = activation_bytes(geo)
-    # Ring attention's K/V chunks are, like FSDP's gathered layer, one block's transient.
-    fsdp, loss = fsdp_buffer_bytes(geo) + ring_buffer_bytes(geo), loss_buffer_bytes(geo)
+    # Ring attention's K/V chunks are, like FSDP's gathered layer, one block's transient; the document
+    # mask lives through the whole forward and backward.
+    fsdp = fsdp_buffer_bytes(geo) + ring_buffer_bytes(geo) + document_mask_bytes(geo)
+    loss = loss_buffer_bytes(geo)
     optimizer_temp = optimizer_temp_bytes(geo)
     grads_live_in_backward = geo.microbatches > 1 or geo.parallel.pp > 1
     live_grads = states["grads"] if grads_live_in_backward else 0.0

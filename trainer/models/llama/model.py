@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from trainer.config import ModelConfig
+from trainer.models.documents import Documents, document_attention, find_documents
 from trainer.models.moe import MoE
 from trainer.rank.loss import linear_cross_entropy, token_loss
 
@@ -51,8 +52,13 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.devi
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate adjacent channel pairs of x [B, T, H, head_dim] by position (Llama's pairing), in fp32."""
-    cos, sin = rope[None, : x.shape[1], None].unbind(-1)
+    """Rotate adjacent channel pairs of x [B, T, H, head_dim] by position (Llama's pairing), in fp32.
+
+    rope: the table [max_seq_len, head_dim // 2, 2] (row positions 0..T-1), or each row's own rows of it
+    [B, T, head_dim // 2, 2] (positions that restart at every document).
+    """
+    table = rope[:, :, None] if rope.dim() == 4 else rope[None, : x.shape[1], None]
+    cos, sin = table.unbind(-1)
     if torch.compiler.is_compiling():
         # Inductor fuses the plain form into one kernel anyway, and AOTAutograd's cache (what spares a
         # resumed run the retracing) refuses graphs holding an autograd.Function.
@@ -98,7 +104,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention; n_heads / n_kv_heads query heads share each key/value head."""
+    """Causal grouped-query attention, within each document when given the micro-batch's documents;
+    n_heads / n_kv_heads query heads share each key/value head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -110,14 +117,15 @@ class Attention(nn.Module):
         # Pluggable so context parallelism can swap in ring attention over its sequence chunks.
         self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, docs: Documents | None = None) -> Tensor:
         batch, seq, _ = x.shape
         # -1 heads, not cfg.n_heads: under tensor parallelism each rank holds only its heads' columns.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = self.attend(*(t.transpose(1, 2) for t in (q, k, v)))
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = self.attend(q, k, v) if docs is None else document_attention(q, k, v, docs)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -153,8 +161,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = feed_forward(cfg, layer)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: Tensor, rope: Tensor, docs: Documents | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, docs)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -175,6 +183,9 @@ class Transformer(nn.Module):
         # Set by tensor parallelism, whose head splits the logits over the vocabulary: the loss then
         # needs them (loss_parallel) rather than the fused head-and-loss.
         self.vocab_parallel = False
+        # The end-of-text id that ends each packed document (model.attention=document), set from the
+        # dataset by whoever builds the model to train or evaluate it; None: each row is one document.
+        self.eos_id: int | None = None
         # Non-persistent: derived from the config, so never checkpointed and rebuilt by init_weights.
         self.register_buffer("rope", rope_table(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
 
@@ -183,8 +194,13 @@ class Transformer(nn.Module):
         holding the logits. The loss runs here, not after the call, because this is where FSDP holds
         the gathered output weight and DDP sees its use."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # Documents are found once per micro-batch and shared by every block (pipeline stages, which
+        # get hidden states rather than ids, are refused with document attention by the spec).
+        docs = find_documents(tokens, self.eos_id) if self.cfg.attention == "document" else None
+        per_document = docs is not None and self.cfg.rope_positions == "document"
+        rope = self.rope[docs.positions] if per_document else self.rope
         for block in self.layers.values():
-            h = block(h, self.rope)
+            h = block(h, rope, docs)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

@@ -92,9 +92,11 @@ def apply_tp_block(block: TransformerBlock, tp_mesh: DeviceMesh) -> TransformerB
     (``tessera calibrate`` times a lone block this way)."""
     block_plan = {
         "attention_norm": SequenceParallel(),
-        # The second input (the RoPE table) is a plain tensor every rank holds whole.
+        # (x, rope, documents): only x is a sequence shard; the RoPE table and the documents are
+        # plain values every rank holds whole.
         "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
         ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
