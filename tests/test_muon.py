@@ -4,6 +4,7 @@ pricing, and a 2-process FSDP run whose loss falls and resumes bitwise across a 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from deployments.spec import TrainingSpec
+from tests.test_train import curve, spec_with, tessera_train
 from trainer.config import OptimizerConfig
 from trainer.rank.muon import MOMENTUM, NS_STEPS, MuonWithAdamW
 from trainer.rank.optim import build_optimizer
@@ -76,9 +78,10 @@ def test_muon_is_torchs_muon_on_hidden_matrices_and_adamw_elsewhere() -> None:
         assert torch.equal(a, b), name
     state = optimizer.state_dict()["state"]
     assert {frozenset(s) for s in state.values()} == {
-        frozenset({"momentum_buffer"}),
+        frozenset({"step", "momentum_buffer"}),
         frozenset({"step", "exp_avg", "exp_avg_sq"}),
     }
+    build_optimizer(Toy(), CFG).load_state_dict(optimizer.state_dict())  # what a resume does
 
 
 @pytest.mark.parametrize(
@@ -92,3 +95,18 @@ def test_spec_refuses_layouts_muon_does_not_take(change: dict, field: str) -> No
     spec = {"name": "m", "model": {"preset": "tiny"}, "optimizer": {"name": "muon"}, **change}
     with pytest.raises(ValidationError, match=field):
         TrainingSpec.model_validate(spec)
+
+
+@pytest.mark.dist
+@pytest.mark.fault
+def test_fsdp_muon_run_learns_and_resumes_bitwise_after_kill_9(tmp_path: Path) -> None:
+    """dp_shard=2, so every matrix is gathered for Newton-Schulz and its momentum is a DCP-saved shard."""
+    spec = spec_with(optimizer={"name": "muon"}, checkpoint={"mode": "sync"}, faults={"max_restarts": 1})
+    returncode, output = tessera_train(spec, tmp_path / "whole", {})
+    assert returncode == 0, output[-4000:]
+    returncode, output = tessera_train(spec, tmp_path / "killed", {"TESSERA_FAULT_CRASH_AT_STEP": "6"})
+    assert returncode == 0, output[-4000:]
+    assert "exitcode: -9" in output and "resumed from step 4" in output
+    reference = curve(tmp_path / "whole")
+    assert curve(tmp_path / "killed") == reference  # bitwise, momentum buffers and AdamW moments restored
+    assert reference[-1]["loss"] < reference[0]["loss"] - 0.1

@@ -82,7 +82,10 @@ class MuonWithAdamW(torch.optim.AdamW):
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
+                # AdamW's load_state_dict (Adam.__setstate__) reads a "step" from every non-empty state.
+                state["step"] = torch.tensor(0.0)
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
+            state["step"] += 1
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - MOMENTUM)
             update = orthogonalise(p.grad.lerp(buf, MOMENTUM))
