@@ -13,7 +13,12 @@ from torch import nn
 
 from deployments.spec import TrainingSpec
 from tests.test_train import curve, spec_with, tessera_train
-from trainer.config import OptimizerConfig
+from trainer.backends.chips import get_chip
+from trainer.config import ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
+from trainer.plan.compute import MUON_NS_STEPS, newton_schulz_gemms, optimizer_seconds
+from trainer.plan.hbm import estimate_memory
+from trainer.plan.layout import Geometry
+from trainer.plan.profile import catalog_profile
 from trainer.rank.muon import MOMENTUM, NS_STEPS, MuonWithAdamW
 from trainer.rank.optim import build_optimizer
 
@@ -110,3 +115,27 @@ def test_fsdp_muon_run_learns_and_resumes_bitwise_after_kill_9(tmp_path: Path) -
     reference = curve(tmp_path / "whole")
     assert curve(tmp_path / "killed") == reference  # bitwise, momentum buffers and AdamW moments restored
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.1
+
+
+def test_planner_prices_muon_state_transient_and_newton_schulz() -> None:
+    """Llama 3 8B on 8 H100s: one momentum instead of two moments for the blocks' matrices, the gathered
+    14336×4096 matrix's transient, and 5 × (4m²n + 2m³) FLOPs per matrix that FSDP does not divide."""
+    model, parallel = ModelConfig(preset="llama3-8b"), ParallelConfig(dp_shard=8)
+    train = TrainConfig(seq_len=8192, global_batch_size=8, micro_batch_size=1)
+    adamw, muon = (Geometry(model, parallel, train, "gpu", name) for name in ("adamw", "muon"))
+    matrices = sum(r * c for r, c in muon.muon_matrices)
+    assert matrices == model.n_layers * adamw.counts.per_layer_matmul
+    saved = estimate_memory(adamw).optimizer - estimate_memory(muon).optimizer
+    assert saved == pytest.approx(4 * matrices / 8)
+    assert estimate_memory(muon).optimizer_temp == pytest.approx(
+        2 * (2 * 4096 * 14336 + 3 * 4096**2) + 4 * 4096 * 14336 / 8
+    )
+    flops = sum(2 * m * n * k for m, n, k in newton_schulz_gemms(muon))
+    d, f, kv = 4096, 14336, 1024
+    per_layer = (
+        2 * (4 * d * d * d + 2 * d**3) + 2 * (4 * kv * kv * d + 2 * kv**3) + 3 * (4 * d * d * f + 2 * d**3)
+    )
+    assert flops == pytest.approx(MUON_NS_STEPS * 32 * per_layer)
+    assert MUON_NS_STEPS == NS_STEPS and not newton_schulz_gemms(adamw)
+    hw = catalog_profile(get_chip("h100-sxm"))
+    assert optimizer_seconds(muon, hw) > optimizer_seconds(adamw, hw)
