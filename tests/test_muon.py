@@ -52,7 +52,7 @@ def train(model: nn.Module, optimizers: list[torch.optim.Optimizer], steps: int 
 
 def test_muon_is_torchs_muon_on_hidden_matrices_and_adamw_elsewhere() -> None:
     torch.manual_seed(0)
-    ours, ref = Toy(), None
+    ours = Toy()
     ref = copy.deepcopy(ours)
     optimizer = build_optimizer(ours, CFG)
     assert isinstance(optimizer, MuonWithAdamW)

@@ -17,8 +17,6 @@ owner bookkeeping, and gives every rank bit-identical updates, so resume and lay
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
@@ -68,7 +66,8 @@ class MuonWithAdamW(torch.optim.AdamW):
         )
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """One step of every group; no closure (the trainer computes its loss before stepping)."""
         for group in self.param_groups:
             if group["muon"]:
                 self._muon_step(group)
