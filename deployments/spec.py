@@ -31,7 +31,7 @@ from trainer.config import (
     TrainConfig,
 )
 from trainer.elastic import elastic_errors
-from trainer.layout_checks import layout_errors
+from trainer.layout_checks import layout_errors, muon_errors
 from trainer.plan import fit_error
 from trainer.replicas import replica_ft_errors
 
@@ -177,6 +177,7 @@ class TrainingSpec(Strict):
         errors += elastic_errors(self.model, self.parallel, self.train, cluster, self.faults)
         errors += replica_ft_errors(self.parallel, self.faults, self.checkpoint, cluster.nodes)
         errors += warmup_errors(self.optimizer, self.train)
+        errors += muon_errors(self.optimizer, self.model, self.parallel)
         if self.data.source == "files" and not self.data.paths:
             errors.append("data.source=files needs data.paths (files, globs or gs:// / s3:// URLs)")
         if errors:

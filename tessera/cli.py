@@ -108,7 +108,7 @@ def plan(
         figures = load_profile(get_chip(loaded.cluster.chip), profile)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    estimate = make_plan(*inputs, profile=figures)
+    estimate = make_plan(*inputs, profile=figures, optimizer=loaded.optimizer.name)
     if chart is not None:
         from trainer.report.plan_chart import plot_memory_breakdown
 

@@ -17,7 +17,7 @@ import fsspec
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trainer.hub import HUB_URL_PREFIXES
-from trainer.layout_checks import layout_errors
+from trainer.layout_checks import layout_errors, muon_errors
 
 Accelerator = Literal["cpu", "gpu", "tpu", "trainium"]
 PipelineSchedule = Literal[
@@ -27,6 +27,7 @@ Float8Recipe = Literal["none", "tensorwise", "rowwise"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16"]
 AsyncMode = Literal["sync", "async", "async_process"]
+OptimizerName = Literal["adamw", "muon"]
 
 # Every count in a spec is bounded: large enough for any real run, small enough that nothing
 # overflows downstream (torch seeds, int32 tensors) or loops over it for hours.
@@ -323,8 +324,14 @@ MAX_LR_REASON = (
 
 
 class OptimizerConfig(Strict):
-    """AdamW with linear warmup then cosine decay to min_lr_ratio × lr."""
+    """AdamW (or Muon for the blocks' matrices) with linear warmup then cosine decay to min_lr_ratio × lr."""
 
+    name: OptimizerName = Field(
+        "adamw",
+        description="adamw, or muon: Newton-Schulz-orthogonalised momentum for the blocks' 2-D weight "
+        "matrices, its update scaled to AdamW's RMS so lr and weight_decay carry over (Moonshot), and AdamW "
+        "with these settings for embeddings, norms and the output layer. Dense models without tp only.",
+    )
     lr: float = Field(
         3e-3, gt=0, le=MAX_LR, description=f"Peak learning rate, at most {MAX_LR}: {MAX_LR_REASON}."
     )
@@ -644,6 +651,7 @@ class JobConfig(Strict):
     @model_validator(mode="after")
     def _check_layout(self) -> JobConfig:
         errors = layout_errors(self.model, self.parallel, self.train, self.hardware)
+        errors += muon_errors(self.optimizer, self.model, self.parallel)
         if errors:
             raise ValueError("; ".join(errors))
         return self

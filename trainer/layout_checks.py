@@ -14,7 +14,7 @@ from trainer.backends.chips import CHIPS
 from trainer.divisors import divisors
 
 if TYPE_CHECKING:
-    from trainer.config import HardwareConfig, ModelConfig, ParallelConfig, TrainConfig
+    from trainer.config import HardwareConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainConfig
 
 # Schedules that drive several stages per rank; the V-shaped ones exactly two (rank r: stages r, 2pp−1−r).
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
@@ -199,4 +199,19 @@ def expert_parallel_errors(model: ModelConfig, parallel: ParallelConfig) -> list
         errors.append(
             f"parallel.ep={parallel.ep} with parallel.cp={parallel.cp} is not supported; set one to 1"
         )
+    return errors
+
+
+def muon_errors(optimizer: OptimizerConfig, model: ModelConfig, parallel: ParallelConfig) -> list[str]:
+    """Layouts Muon is not built for: it orthogonalises whole 2-D matrices, gathered over FSDP's mesh."""
+    if optimizer.name != "muon":
+        return []
+    errors = []
+    if model.moe is not None:
+        errors.append(
+            "optimizer.name=muon does not take MoE experts (3-D weight stacks); remove model.moe or set "
+            "optimizer.name=adamw"
+        )
+    if parallel.tp > 1:
+        errors.append(f"optimizer.name=muon needs parallel.tp=1 (got {parallel.tp}); set tp=1 or name=adamw")
     return errors

@@ -168,6 +168,13 @@ def layer_comms(geo: Geometry, placement: dict[str, DimPlacement]) -> LayerComms
     )
 
 
+def muon_gather_seconds(geo: Geometry, shard: DimPlacement) -> float:
+    """Muon's all-gather of each whole matrix in bf16 before Newton-Schulz (``trainer.rank.muon``), once
+    per step inside the optimizer step, where no compute hides it."""
+    link = link_of(shard)
+    return sum(collective_seconds("all_gather", 2 * r * c, shard.degree, link) for r, c in geo.muon_matrices)
+
+
 def gradient_syncs(geo: Geometry) -> int:
     """Gradient reductions (and FSDP gathers) per step: every micro-batch when FSDP shards (the
     trainer's accumulation loop reduce-scatters each one), else once: under a pipeline

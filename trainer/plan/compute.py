@@ -179,8 +179,26 @@ TENSORS_PER_BLOCK = 9  # 7 projections + 2 norm gains
 
 def optimizer_seconds(geo: Geometry, hw: HardwareProfile) -> float:
     """The optimizer step: memory-bound over the chip's parameters (foreach kernels on accelerators, the
-    per-tensor loop's passes on CPU); on CPU plus per-tensor dispatch."""
+    per-tensor loop's passes on CPU); on CPU plus per-tensor dispatch. Muon's element-wise passes are
+    priced as AdamW's (it has fewer: a bound), plus its Newton-Schulz matmuls."""
     tensors = TENSORS_PER_BLOCK * geo.layers_per_stage + 3
     kernels = OPTIMIZER_KERNELS_PER_TENSOR * (tensors if hw.host_bound else 1)
     per_param = HOST_OPTIMIZER_BYTES_PER_PARAM if hw.host_bound else OPTIMIZER_BYTES_PER_PARAM
-    return with_launches(memory_seconds(per_param * geo.chip_params, hw), kernels, hw)
+    elementwise = with_launches(memory_seconds(per_param * geo.chip_params, hw), kernels, hw)
+    ns = newton_schulz_gemms(geo)
+    return elementwise + with_launches(sum(gemm_seconds(*mnk, hw, "bf16") for mnk in ns), len(ns), hw)
+
+
+MUON_NS_STEPS = 5  # trainer.rank.muon.NS_STEPS (torch.optim.Muon's default; a test holds them equal)
+
+
+def newton_schulz_gemms(geo: Geometry) -> list[tuple[int, int, int]]:
+    """(m, n, k) of Muon's bf16 matmuls on one chip per step. Every rank orthogonalises every whole
+    matrix of its stage (``trainer.rank.muon`` gathers them), so FSDP does not divide this work. Per
+    iteration on a matrix with short side m and long side n: X·Xᵀ (m, m, n), A·A (m, m, m) and B·X
+    (m, n, m), i.e. 4m²n + 2m³ FLOPs."""
+    gemms = []
+    for rows, cols in geo.muon_matrices:
+        m, n = min(rows, cols), max(rows, cols)
+        gemms += [(m, m, n), (m, m, m), (m, n, m)] * MUON_NS_STEPS
+    return gemms

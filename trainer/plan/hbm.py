@@ -26,6 +26,9 @@ and reappear as activations are freed in backward, so the fwd/bwd peak is at the
 backward. The
 optimizer step then holds all gradients plus AdamW's temporary (:func:`optimizer_temp_bytes`).
 ``total`` is the larger of the two phases (see :func:`estimate_memory`).
+
+``optimizer.name: muon`` keeps one fp32 momentum (4 B/param) for the blocks' matrices instead of AdamW's
+8, and adds the transient of orthogonalising one whole gathered matrix (:func:`newton_schulz_temp_bytes`).
 """
 
 from __future__ import annotations
@@ -204,18 +207,36 @@ def optimizer_temp_bytes(geo: Geometry) -> float:
     return FP32 * max(model.vocab_size, model.ffn_dim, model.dim) * model.dim / (par.tp * geo.fsdp_degree)
 
 
+def optimizer_state_bytes(geo: Geometry) -> float:
+    """AdamW's two fp32 moments per parameter; Muon keeps one momentum for the matrices it takes."""
+    muon_params = sum(rows * cols for rows, cols in geo.muon_matrices) / geo.fsdp_degree
+    return STATE_BYTES["optimizer"] * geo.chip_params - FP32 * muon_params
+
+
+def newton_schulz_temp_bytes(geo: Geometry) -> float:
+    """Muon's transient for its largest matrix (m ≤ n): the gathered bf16 matrix, and per iteration its
+    Gram matrix, the polynomial of it and the new iterate (2·(2mn + 3m²)), plus the fp32 Nesterov update
+    of the local shard; the matrices are done one at a time."""
+    if not geo.muon_matrices:
+        return 0.0
+    m, n = max((min(shape), max(shape)) for shape in geo.muon_matrices)
+    return 2 * (2 * m * n + 3 * m * m) + FP32 * m * n / geo.fsdp_degree
+
+
 def estimate_memory(geo: Geometry) -> MemoryBreakdown:
     """Per-chip bytes. In backward the loss buffers are gone before the first block is recomputed, so
     the fwd/bwd peak has the larger of the two (the recompute with the gradients made by then) on top
     of the kept activations and FSDP buffers."""
     chip_params = geo.chip_params
     states = {name: per_param * chip_params for name, per_param in STATE_BYTES.items()}
+    states["optimizer"] = optimizer_state_bytes(geo)
     kept, recomputed = activation_bytes(geo)
     # Ring attention's K/V chunks are, like FSDP's gathered layer, one block's transient; the document
     # mask lives through the whole forward and backward.
     fsdp = fsdp_buffer_bytes(geo) + ring_buffer_bytes(geo) + document_mask_bytes(geo)
     loss = loss_buffer_bytes(geo)
-    optimizer_temp = optimizer_temp_bytes(geo)
+    # Muon's groups and AdamW's run one after the other: the larger transient of the two.
+    optimizer_temp = max(optimizer_temp_bytes(geo), newton_schulz_temp_bytes(geo))
     grads_live_in_backward = geo.microbatches > 1 or geo.parallel.pp > 1
     live_grads = states["grads"] if grads_live_in_backward else 0.0
     # Without accumulation the gradients still fill up as backward goes: when full checkpointing

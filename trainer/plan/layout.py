@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from trainer.config import Accelerator, ModelConfig, ParallelConfig, TrainConfig
+from trainer.config import Accelerator, ModelConfig, OptimizerName, ParallelConfig, TrainConfig
 from trainer.plan.params import ParamCounts, count_params
 
 
@@ -15,6 +15,7 @@ class Geometry:
     parallel: ParallelConfig
     train: TrainConfig
     accelerator: Accelerator  # the optimizer's default implementation differs on CPU (see memory.py)
+    optimizer: OptimizerName = "adamw"
 
     @cached_property
     def counts(self) -> ParamCounts:
@@ -59,6 +60,17 @@ class Geometry:
         if self.parallel.pp == 1:
             return counts.total
         return layers + max(counts.embedding, counts.final_norm + counts.output)
+
+    @property
+    def muon_matrices(self) -> list[tuple[int, int]]:
+        """(rows, cols) of the whole 2-D weights Muon orthogonalises on the heaviest stage: each block's
+        wq, wk, wv, wo, w1, w3, w2 (``trainer.rank.muon``; tp=1 and dense only). None under AdamW."""
+        if self.optimizer != "muon":
+            return []
+        model = self.model
+        d, f = model.dim, model.ffn_dim
+        q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+        return [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)] * self.layers_per_stage
 
     @property
     def chip_params(self) -> float:

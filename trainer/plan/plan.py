@@ -12,6 +12,7 @@ from trainer.config import (
     HardwareConfig,
     JobConfig,
     ModelConfig,
+    OptimizerName,
     ParallelConfig,
     TrainConfig,
 )
@@ -162,14 +163,16 @@ def make_plan(
     checkpoint: CheckpointConfig,
     profile: HardwareProfile | None = None,
     overlap: Overlap | None = None,
+    optimizer: OptimizerName = "adamw",
 ) -> Plan:
     """Estimate one layout. Inputs must already satisfy ``trainer.layout_checks.layout_errors``.
 
     ``profile`` holds the hardware figures (``tessera calibrate``'s, via ``profile.load_profile``);
     default: the chip catalog's. ``overlap`` says what the training loop overlaps; default: tessera's.
+    ``optimizer`` prices Muon's momentum, Newton-Schulz matmuls and gathers (``optimizer.name``).
     """
     hw = (profile or catalog_profile(get_chip(hardware.chip))).on_node(hardware.chips_per_node)
-    geo = Geometry(model, parallel, train, hardware.accelerator)
+    geo = Geometry(model, parallel, train, hardware.accelerator, optimizer)
     times = time_fields(geo, hw, hardware, overlap)
     return Plan(
         chip=hw.chip.name,
@@ -186,7 +189,9 @@ def make_plan(
 
 
 def plan_for_job(job: JobConfig) -> Plan:
-    return make_plan(job.model, job.parallel, job.train, job.hardware, job.checkpoint)
+    return make_plan(
+        job.model, job.parallel, job.train, job.hardware, job.checkpoint, optimizer=job.optimizer.name
+    )
 
 
 def resolve_checkpoint_interval(job: JobConfig, plan: Plan | None = None) -> int:

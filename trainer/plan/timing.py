@@ -37,6 +37,7 @@ from trainer.plan.comms import (
     gradient_syncs,
     layer_comms,
     link_of,
+    muon_gather_seconds,
     tp_backward_collectives,
 )
 from trainer.plan.compute import (
@@ -215,7 +216,10 @@ def step_time(
     exposed = {
         "tp": m * tp,
         "cp": m * geo.layers_per_stage * ring,
-        "dp_shard": syncs * (shard + root_reduce) + fsdp_rounds(geo) * fsdp_host + root_gather,
+        "dp_shard": syncs * (shard + root_reduce)
+        + fsdp_rounds(geo) * fsdp_host
+        + root_gather
+        + muon_gather_seconds(geo, fsdp_placed),
         "dp_replicate": syncs * (replicate + root_all_reduce),
         "pp": m * pp,
         "ep": by_dim["ep"].time_s if "ep" in by_dim else 0.0,  # see experts.py: nothing hides it

@@ -1,4 +1,5 @@
-"""AdamW with linear warmup then cosine decay, one optimizer per model part.
+"""AdamW (or Muon with AdamW, ``trainer.rank.muon``) with linear warmup then cosine decay, one
+optimizer per model part.
 
 Pipeline stages are separate modules on a rank, so each part gets its own optimizer and scheduler;
 they share one learning-rate rule and step together.
@@ -14,11 +15,14 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import OptimizerConfig
+from trainer.rank.muon import MuonWithAdamW
 
 
 def build_optimizer(part: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     """Decay only matrices (≥2-D weights): decaying norms' gains and biases pulls them to zero for no gain."""
     params = [p for p in part.parameters() if p.requires_grad]
+    if cfg.name == "muon":
+        return MuonWithAdamW(part, cfg, fused=fused_on(params))
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
