@@ -65,8 +65,13 @@ def validate(spec: SpecPath) -> None:
     Example: tessera validate deployments/specs/local-cpu.yaml
     """
     loaded = load_spec(spec)
+    model = (
+        loaded.model.preset
+        if loaded.model.from_hf is None
+        else f"{loaded.model.from_hf} ({loaded.model.preset})"
+    )
     typer.echo(
-        f"ok: {loaded.name}: {loaded.model.preset} on {loaded.cluster.nodes}×{loaded.cluster.chips_per_node} "
+        f"ok: {loaded.name}: {model} on {loaded.cluster.nodes}×{loaded.cluster.chips_per_node} "
         f"{loaded.cluster.chip} (dp_replicate={loaded.parallel.dp_replicate} dp_shard={loaded.parallel.dp_shard} "
         f"cp={loaded.parallel.cp} tp={loaded.parallel.tp} pp={loaded.parallel.pp}), pool {loaded.cluster.pool}"
     )

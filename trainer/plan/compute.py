@@ -50,12 +50,12 @@ class BlockSeconds:
 def block_matmuls(geo: Geometry) -> list[tuple[float, float, float]]:
     """(m, n, k) of the block's forward matmuls on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
     model, t, tokens = geo.model, geo.parallel.tp, geo.microbatch_tokens
-    d, f, kv = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim
+    d, f, kv, q = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim, model.q_dim
     return [
-        (tokens, d / t, d),
+        (tokens, q / t, d),
         (tokens, kv / t, d),
         (tokens, kv / t, d),
-        (tokens, d, d / t),
+        (tokens, d, q / t),
         (tokens, f / t, d),
         (tokens, f / t, d),
         (tokens, d, f / t),
@@ -71,11 +71,11 @@ def elementwise_bytes(geo: Geometry) -> float:
     each), RoPE 3, SwiGLU 3 (read both inputs, write the product). Backward moves about twice as much.
     """
     model, e, t = geo.model, geo.compute_bytes, geo.parallel.tp
-    d, f, kv = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim
+    d, f, kv, q = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim, model.q_dim
     if geo.parallel.compile:
-        per_token = e * (6 * d + 3 * (d + kv) + 3 * f)
+        per_token = e * (6 * d + 3 * (q + kv) + 3 * f)
     else:
-        per_token = FP32 * 14 * d + e * (6 * d + 6 * (d + kv) + 5 * f)
+        per_token = FP32 * 14 * d + e * (6 * d + 6 * (q + kv) + 5 * f)
     return geo.microbatch_tokens * per_token / t
 
 

@@ -105,15 +105,19 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     """Causal grouped-query attention, within each document when given the micro-batch's documents;
-    n_heads / n_kv_heads query heads share each key/value head."""
+    n_heads / n_kv_heads query heads share each key/value head. ``model.qkv_bias`` adds biases to the
+    q, k and v projections (Qwen2); ``model.qk_norm`` RMS-normalizes each query and key head before
+    RoPE, with gains over head_dim shared by the heads (Qwen3)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         # Pluggable so context parallelism can swap in ring attention over its sequence chunks.
         self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
@@ -123,6 +127,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.attend(q, k, v) if docs is None else document_attention(q, k, v, docs)
@@ -231,13 +237,17 @@ class Transformer(nn.Module):
             std = self._init_std(name)
             if std is None:
                 param.fill_(1.0)
+            elif std == 0:
+                param.zero_()
             else:
                 _fill_normal(param, std, seed, name)
 
     def _init_std(self, name: str) -> float | None:
-        """Init rule by parameter name: None means ones (norm gains)."""
+        """Init rule by parameter name: None means ones (norm gains), 0 zeros (biases)."""
         if name.endswith("norm.weight"):
             return None
+        if name.endswith(".bias"):
+            return 0.0
         if name == "tok_embeddings.weight":
             # Untied: unit-variance embeddings (the first RMSNorm rescales anyway). Tied: the same matrix
             # also produces logits, so use the output projection's fan-in scale.

@@ -1,6 +1,7 @@
 """Exact parameter counts of Llama (``model.py``), from the model config alone (no torch).
 
-Bias-free projections, two RMSNorm gains per block, a final norm, an input embedding and an output
+Bias-free projections (but for q/k/v biases with ``qkv_bias``), two RMSNorm gains per block (and
+q/k norm gains of head_dim with ``qk_norm``), a final norm, an input embedding and an output
 projection (one matrix when ``tie_embeddings``). An MoE layer's FFN is a router (d·E) plus E routed
 and S shared SwiGLU experts; a token uses only top_k of the routed ones, so FLOPs count *active*
 parameters (Mixtral 8×7B: 46.7B in all, 12.9B active).
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
 def count_params(model: ModelConfig) -> ParamCounts:
     d, hd = model.dim, model.head_dim
     attention = d * model.n_heads * hd * 2 + d * model.n_kv_heads * hd * 2  # wq, wo; wk, wv
+    # Added, not multiplied: biases (q, k, v outputs) and the q/k norms' gains.
+    extras = (model.n_heads + 2 * model.n_kv_heads) * hd * model.qkv_bias + 2 * hd * model.qk_norm
     swiglu = 3 * d  # per unit of hidden width: w1, w3 (d→f) and w2 (f→d)
     # Per layer kind, not per layer: validation plans every spec, whatever its n_layers.
     moe_layers = model.moe_layer_count
@@ -35,7 +38,7 @@ def count_params(model: ModelConfig) -> ParamCounts:
     vocab = model.vocab_size * d
     return ParamCounts(
         embedding=vocab,
-        per_layer=attention + 2 * d + ffn_total / model.n_layers,
+        per_layer=attention + extras + 2 * d + ffn_total / model.n_layers,
         per_layer_matmul=attention + ffn_active / model.n_layers,
         n_layers=model.n_layers,
         final_norm=d,

@@ -1,0 +1,293 @@
+"""``model.from_hf``: a Hugging Face config.json builds its family with its dimensions, read once at
+validation; what it cannot build is refused naming the key. The fixtures in tests/data/hf/ are
+hand-written config.json files in transformers' own key layout for each model type, at tiny sizes.
+Round trips go through the real export and import (DCP's HF storage, real files); no hub, no
+transformers: HF's Qwen attention is written out below from its modeling code."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from deployments.run import Run, RunConflict
+from deployments.spec import SpecError, load_spec, parse_spec
+from tests.test_hf_checkpoint import hf_rope, read_safetensors, train_and_save
+from trainer.checkpoint.commit import check_model, read_commit
+from trainer.checkpoint.errors import CheckpointMismatch
+from trainer.checkpoint.hf import export_hf, import_hf
+from trainer.config import JobConfig, ModelConfig
+from trainer.evaluate import load_model
+from trainer.failures import UserError
+from trainer.models import family_of, param_count
+from trainer.models.llama import LLAMA
+from trainer.models.llama.model import Transformer, apply_rope
+from trainer.plan.params import count_params
+from trainer.rundir import RunDir
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "data" / "hf"
+COMMON = dict(preset="custom", n_layers=2, dim=64, n_heads=4, vocab_size=256)
+# What each fixture must build: the same model written as explicit fields.
+EXPECTED: dict[str, dict[str, Any]] = {
+    "llama": dict(COMMON, n_kv_heads=2, ffn_dim=160, rope_theta=5e5, norm_eps=1e-5),
+    "mistral": dict(COMMON, n_kv_heads=1, ffn_dim=224, rope_theta=1e6, norm_eps=1e-5),
+    "mixtral": dict(COMMON, n_kv_heads=2, ffn_dim=96, rope_theta=1e6, norm_eps=1e-5, moe=dict(n_experts=4, top_k=2)),
+    "qwen2": dict(COMMON, n_kv_heads=2, ffn_dim=176, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True),
+    "qwen3": dict(
+        COMMON, n_kv_heads=2, ffn_dim=192, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True, qk_norm=True, head_dim=32
+    ),
+}  # fmt: skip
+
+
+def fixture(model_type: str) -> str:
+    return str(FIXTURES / model_type / "config.json")
+
+
+def edited(tmp_path: Path, model_type: str, changes: dict[str, Any] | None = None) -> str:
+    """A copy of a fixture with keys changed (None: removed)."""
+    config = json.loads(Path(fixture(model_type)).read_text())
+    for key, value in (changes or {}).items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path = tmp_path / f"{model_type}-edited" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def job_of(model: dict[str, Any], seq_len: int = 16) -> JobConfig:
+    return JobConfig.model_validate({"seed": 5, "model": model, "train": {"seq_len": seq_len}})
+
+
+@pytest.mark.parametrize("model_type", sorted(EXPECTED))
+def test_each_model_type_builds_its_family_with_its_dimensions(model_type: str) -> None:
+    built = ModelConfig(from_hf=fixture(model_type))
+    assert family_of(built) is LLAMA
+    assert built.model_dump() == ModelConfig(**EXPECTED[model_type]).model_dump()
+    assert built.from_hf == fixture(model_type)  # kept to show where it came from; no dump carries it
+    # The planner's count is the built module's, bias and q/k norm gains included.
+    with torch.device("meta"):
+        module = Transformer(built, max_seq_len=8)
+    assert count_params(built).total == param_count(module)
+
+
+def test_qwen_features_are_the_parameters_the_planner_counts() -> None:
+    base = ModelConfig(**EXPECTED["llama"], head_dim=24)
+    both = ModelConfig(**EXPECTED["llama"], qkv_bias=True, qk_norm=True, head_dim=24)
+    with torch.device("meta"):
+        module = Transformer(both, max_seq_len=8)
+    attention = module.layers["0"].attention
+    shapes = [tuple(p.shape) for p in (attention.wq.weight, attention.wk.bias, attention.k_norm.weight)]
+    assert shapes == [(96, 64), (48,), (24,)]
+    assert count_params(both).total == param_count(module)
+    # Per layer: q, k, v biases ((4 + 2 + 2) heads × 24) and two gains of 24; not matmul weights.
+    assert count_params(both).total - count_params(base).total == 2 * (8 * 24 + 2 * 24)
+    assert count_params(both).matmul == count_params(base).matmul
+
+
+def test_dumps_carry_the_resolved_fields_so_nothing_reads_the_file_again(tmp_path: Path) -> None:
+    path = edited(tmp_path, "qwen3")
+    job = job_of({"from_hf": path})
+    dumped = job.model_dump_json()
+    assert "from_hf" not in dumped and '"head_dim":32' in dumped.replace(" ", "")
+    Path(path).unlink()  # the trainer reads job.json: the file is not needed any more
+    assert JobConfig.model_validate_json(dumped).model.model_dump() == job.model.model_dump()
+    # The same model written out has the same fingerprint: a checkpoint does not know where it came from.
+    assert job.model_fingerprint() == job_of(EXPECTED["qwen3"]).model_fingerprint()
+
+
+def test_explicit_fields_override_the_file_and_preset_beside_it_is_refused() -> None:
+    shallow = ModelConfig(from_hf=fixture("llama"), n_layers=1, attention="document")
+    assert (shallow.n_layers, shallow.dim, shallow.attention) == (1, 64, "document")
+    biased = ModelConfig(from_hf=fixture("mixtral"), moe={"balance": "bias"})  # moe: merged key by key
+    assert (biased.moe.n_experts, biased.moe.top_k, biased.moe.balance) == (4, 2, "bias")
+    with pytest.raises(ValidationError, match=r"model\.preset='tiny' and model\.from_hf both set"):
+        ModelConfig(from_hf=fixture("llama"), preset="tiny")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "changes", "message"),
+    [
+        (
+            "llama",
+            {"model_type": "gpt2"},
+            "model_type 'gpt2', which tessera does not build; supported: llama, ",
+        ),
+        ("llama", {"hidden_size": None}, "config.json has no hidden_size"),
+        ("llama", {"hidden_size": "64"}, "hidden_size='64' in config.json is not a positive integer"),
+        ("llama", {"rope_theta": None}, "no rope_theta"),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+            "rope_scaling type 'yarn': tessera's RoPE has no scaling",
+        ),
+        ("llama", {"attention_bias": True}, "attention_bias=true puts biases on o_proj"),
+        ("llama", {"mlp_bias": True}, "mlp_bias=true"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("mistral", {"sliding_window": 4096}, "sliding-window attention (sliding_window=4096"),
+        ("qwen2", {"use_sliding_window": True}, "sliding-window attention (sliding_window=32768"),
+        ("qwen3", {"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window attention"),
+        ("qwen3", {"attention_bias": True}, "attention_bias=true"),
+    ],
+)
+def test_what_tessera_would_build_differently_is_refused_naming_the_key(
+    tmp_path: Path, model_type: str, changes: dict[str, Any], message: str
+) -> None:
+    path = edited(tmp_path, model_type, changes)
+    with pytest.raises(SpecError) as refused:
+        parse_spec({"model": {"from_hf": path}}, "spec.yaml")
+    assert str(refused.value).startswith(f"spec.yaml is invalid:\nmodel: model.from_hf={path!r}")
+    assert message in str(refused.value), str(refused.value)
+
+
+def test_a_missing_unreadable_or_malformed_file_names_the_field_and_the_fix(tmp_path: Path) -> None:
+    cases = {
+        str(tmp_path / "nope.json"): "no such file; give the path of a Hugging Face config.json",
+        "Qwen/Qwen3-0.6B": "no such file",  # a Hub id is not a path, and the Hub is never read
+        "hf://Qwen/Qwen3-0.6B": "is on the Hugging Face Hub, which tessera never reads",
+    }
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases[str(tmp_path / "broken.json")] = "is not JSON (Expecting property name"
+    cases[str(tmp_path / "list.json")] = "holds a JSON list, not the object of a config.json"
+    (tmp_path / "dir").mkdir()
+    cases[str(tmp_path / "dir")] = "no such file"  # a directory means its config.json, absent here
+    for location, message in cases.items():
+        with pytest.raises(SpecError, match=r"^spec\.yaml is invalid:\nmodel: ") as refused:
+            parse_spec({"model": {"from_hf": location}}, "spec.yaml")
+        assert message in str(refused.value), str(refused.value)
+    # A directory holding a config.json is the file.
+    shutil.copy(fixture("qwen2"), tmp_path / "dir" / "config.json")
+    assert ModelConfig(from_hf=str(tmp_path / "dir")).qkv_bias
+
+
+def test_resolving_a_config_imports_no_torch() -> None:
+    """Spec validation stays torch-free (the form and `tessera validate` start in well under a second)."""
+    code = (
+        "import sys; from trainer.config import ModelConfig; "
+        f"ModelConfig(from_hf={fixture('qwen3')!r}); print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_a_changed_config_json_does_not_change_a_run_that_continues(tmp_path: Path) -> None:
+    path = edited(tmp_path, "llama")
+    spec = {"name": "fromhf", "model": {"from_hf": path}, "train": {"steps": 2, "seq_len": 16}}
+    run = Run.open(parse_spec(spec), RunDir(tmp_path / "run"))
+    assert json.loads(run.dir.record.read_text())["spec"]["model"]["n_layers"] == 2
+    edited(tmp_path, "llama", {"num_hidden_layers": 3})
+    with pytest.raises(RunConflict, match=r"model\.n_layers: 2 → 3"):
+        Run.open(parse_spec(spec), RunDir(tmp_path / "run"))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [EXPECTED["qwen2"], EXPECTED["qwen3"], EXPECTED["llama"], EXPECTED["mixtral"]],
+    ids=["qwen2", "qwen3", "llama", "mixtral"],
+)
+def test_export_then_from_hf_and_import_gives_the_same_logits(model: dict[str, Any], tmp_path: Path) -> None:
+    """A trained tessera model → HF safetensors + config.json → a spec built from that config.json alone,
+    its weights imported → the same logits (fp32 export, so exactly)."""
+    job = job_of(model)
+    weights = train_and_save(job, str(tmp_path / "checkpoints"))
+    out = export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf", dtype="fp32")
+    rebuilt = job_of({"from_hf": str(out / "config.json")})
+    assert rebuilt.model_fingerprint() == job.model_fingerprint()
+    step_url = import_hf(out, rebuilt, str(tmp_path / "imported"))
+    check_model(read_commit(step_url), rebuilt.model_fingerprint())
+    _, imported = load_model(step_url, rebuilt)
+    original = Transformer(job.model, max_seq_len=16)
+    original.load_state_dict(weights)
+    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(imported(tokens), original(tokens))
+
+
+def test_import_checks_the_qwen_architecture(tmp_path: Path) -> None:
+    job = job_of(EXPECTED["qwen3"])
+    train_and_save(job, str(tmp_path / "checkpoints"))
+    out = export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 32
+    with pytest.raises(UserError, match="model_type 'qwen3' but the spec's model is llama"):
+        import_hf(out, job_of(EXPECTED["llama"]), str(tmp_path / "a"))
+    with pytest.raises(UserError, match=r"model\.head_dim=16 but head_dim=32"):
+        import_hf(out, job_of({**EXPECTED["qwen3"], "head_dim": 16}), str(tmp_path / "b"))
+    with pytest.raises(CheckpointMismatch):  # the fingerprint guards the import's commit record too
+        check_model(
+            read_commit(import_hf(out, job, str(tmp_path / "c"))),
+            job_of(EXPECTED["qwen2"]).model_fingerprint(),
+        )
+    with pytest.raises(UserError, match="no Hugging Face architecture tessera converts holds them together"):
+        export_hf(
+            str(tmp_path / "checkpoints"), job_of({**EXPECTED["qwen3"], "qkv_bias": True}), tmp_path / "x"
+        )
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm: fp32 x · rsqrt(mean(x²) + eps), times the gain."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_exported_qwen_attention_computed_hfs_way_gives_tesseras_scores(
+    model_type: str, tmp_path: Path
+) -> None:
+    """Qwen2Attention / Qwen3Attention written out: q = q_proj(x) (+ bias), viewed as heads, q_norm'd
+    (Qwen3), then rotate-half RoPE; likewise k. Tessera's own modules, in pair order, give the same scores."""
+    job = job_of(EXPECTED[model_type])
+    cfg, hd, eps = job.model, job.model.head_dim, job.model.norm_eps
+    weights = train_and_save(job, str(tmp_path / "checkpoints"))
+    exported = read_safetensors(export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf", dtype="fp32"))
+    model = Transformer(cfg, max_seq_len=16)
+    model.load_state_dict(weights)
+    attention = model.layers["0"].attention
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+
+    def theirs(proj: str, heads: int) -> torch.Tensor:
+        name = f"model.layers.0.self_attn.{proj}"
+        out = x @ exported[f"{name}_proj.weight"].T
+        if cfg.qkv_bias:
+            out = out + exported[f"{name}_proj.bias"]
+        out = out.view(2, 16, heads, hd)
+        if cfg.qk_norm:
+            out = hf_rms_norm(out, exported[f"{name}_norm.weight"], eps)
+        return hf_rope(out, cfg.rope_theta)
+
+    def ours(proj: str, heads: int) -> torch.Tensor:
+        out = getattr(attention, f"w{proj}")(x).view(2, 16, heads, hd)
+        if cfg.qk_norm:
+            out = getattr(attention, f"{proj}_norm")(out)
+        return apply_rope(out, model.rope)
+
+    def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(cfg.n_heads // cfg.n_kv_heads, dim=2))
+
+    with torch.no_grad():
+        expected = scores(ours("q", cfg.n_heads), ours("k", cfg.n_kv_heads))
+        torch.testing.assert_close(
+            scores(theirs("q", cfg.n_heads), theirs("k", cfg.n_kv_heads)), expected, rtol=1e-5, atol=1e-5
+        )
+    # One AdamW step moved them off their init (zero biases, unit gains), so the check sees their order.
+    feature = "wq.bias" if cfg.qkv_bias else "q_norm.weight"
+    assert len(set(weights[f"layers.0.attention.{feature}"].tolist())) > 1
+
+
+def test_the_spec_example_validates_from_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its from_hf is relative to the working directory: the repository root, where Prefect's process
+    workers run deployments (prefect deploy's default pull step) and where images keep the checkout."""
+    monkeypatch.chdir(REPO)
+    spec = load_spec(REPO / "deployments" / "specs" / "local-cpu-from-hf.yaml")
+    assert spec.model.from_hf == "deployments/specs/hf/qwen3-tiny/config.json"
+    assert (spec.model.qk_norm, spec.model.head_dim, spec.model.tie_embeddings) == (True, 64, True)
