@@ -291,3 +291,45 @@ def test_the_spec_example_validates_from_the_repository_root(monkeypatch: pytest
     spec = load_spec(REPO / "deployments" / "specs" / "local-cpu-from-hf.yaml")
     assert spec.model.from_hf == "deployments/specs/hf/qwen3-tiny/config.json"
     assert (spec.model.qk_norm, spec.model.head_dim, spec.model.tie_embeddings) == (True, 64, True)
+
+
+@pytest.mark.dist
+def test_a_run_continues_from_imported_hf_weights(tmp_path: Path) -> None:
+    """Real torchrun, one process, synthetic tokens. A from_hf run trains, its config.json deleted once
+    the run is opened (the job carries the dimensions); its last checkpoint is exported to HF. A second
+    run of a spec built from that export's config.json alone, with the weights imported into its
+    checkpoint location, trains from them: at a learning rate too small to move them, its last
+    checkpoint holds the first run's trained weights, not a fresh model's."""
+    config = edited(tmp_path, "qwen3")
+    spec: dict[str, Any] = {
+        "name": "fromhf",
+        "seed": 3,
+        "model": {"from_hf": config},
+        "data": {"loader_workers": 0},
+        "train": {"steps": 4, "seq_len": 16, "global_batch_size": 4, "micro_batch_size": 4},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 1},
+        "checkpoint": {"interval": 4, "mode": "sync"},
+        "faults": {"max_restarts": 0, "step_timeout_s": 60},
+        "eval": {"enabled": False},
+    }
+    first = Run.open(parse_spec(spec), RunDir(tmp_path / "first"))
+    Path(config).unlink()
+    assert first.launch_local().returncode == 0
+    out = export_hf(str(tmp_path / "first" / "checkpoints"), first.job, tmp_path / "hf", dtype="fp32")
+    _, trained = load_model(str(tmp_path / "first" / "checkpoints" / "step-000004"), first.job)
+
+    spec["model"] = {"from_hf": str(out / "config.json")}
+    spec["train"]["steps"] = 2
+    spec["optimizer"] = {"lr": 1e-12, "warmup_steps": 0, "weight_decay": 0.0}
+    second = Run.open(parse_spec(spec), RunDir(tmp_path / "second"))
+    import_hf(out, second.job, second.checkpoint_url)
+    assert second.launch_local().returncode == 0
+    _, continued = load_model(str(tmp_path / "second" / "checkpoints" / "step-000002"), second.job)
+    for name, weight in trained.state_dict().items():
+        torch.testing.assert_close(continued.state_dict()[name], weight, rtol=0, atol=1e-8)
+    fresh = Transformer(second.job.model, max_seq_len=16)
+    fresh.init_weights(second.job.seed)
+    assert not torch.equal(
+        fresh.state_dict()["layers.0.attention.wq.weight"],
+        trained.state_dict()["layers.0.attention.wq.weight"],
+    )

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainer import storage
 from trainer.checkpoint import store
 from trainer.checkpoint.commit import (
+    IMPORTED_FROM,
     CommitRecord,
     digest_files,
     list_checkpoints,
@@ -157,7 +158,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
         world_size=1,
         layout=job.parallel.model_dump(),
         files=digest_files(step_url),
-        meta={"imported_from": str(source)},
+        meta={IMPORTED_FROM: str(source)},
     )
     write_commit(step_url, record)
     return step_url
