@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from deployments.run import Run, RunConflict
 from deployments.spec import SpecError, load_spec, parse_spec
+from tests.test_form import form_errors
 from tests.test_hf_checkpoint import hf_rope, read_safetensors, train_and_save
 from trainer.checkpoint.commit import check_model, read_commit
 from trainer.checkpoint.errors import CheckpointMismatch
@@ -333,3 +334,14 @@ def test_a_run_continues_from_imported_hf_weights(tmp_path: Path) -> None:
         fresh.state_dict()["layers.0.attention.wq.weight"],
         trained.state_dict()["layers.0.attention.wq.weight"],
     )
+
+
+def test_the_run_form_leaves_a_from_hf_shape_to_the_spec(tmp_path: Path) -> None:
+    """The form's tp/pp menus follow a preset's shape (tiny: 2 layers when preset is left out); a from_hf
+    model's shape is in its file, so the server leaves the layout to the spec's own validation."""
+    deep = edited(tmp_path, "llama", {"num_hidden_layers": 4})
+    spec = {"model": {"from_hf": deep}, "parallel": {"pp": 4}, "cluster": {"chips_per_node": 4}}
+    spec |= {"train": {"global_batch_size": 16, "micro_batch_size": 1}}
+    assert form_errors(spec) == []
+    assert parse_spec(spec).parallel.pp == 4
+    assert ("spec.parallel.pp", "4 is not one of [1, 2]") in form_errors({**spec, "model": {}})
