@@ -7,6 +7,7 @@ transformers: HF's Qwen attention is written out below from its modeling code.""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from trainer.evaluate import load_model
 from trainer.failures import UserError
 from trainer.models import family_of, param_count
 from trainer.models.llama import LLAMA
-from trainer.models.llama.model import Transformer, apply_rope
+from trainer.models.llama.model import Transformer, apply_rope, rope_table
 from trainer.plan.params import count_params
 from trainer.rundir import RunDir
 
@@ -130,7 +131,12 @@ def test_explicit_fields_override_the_file_and_preset_beside_it_is_refused() -> 
         (
             "llama",
             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-            "rope_scaling type 'yarn': tessera's RoPE has no scaling",
+            "rope_scaling type 'yarn': tessera's RoPE scales only as Llama 3.1's",
+        ),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "rope_scaling type 'llama3' without low_freq_factor, high_freq_factor",
         ),
         ("llama", {"attention_bias": True}, "attention_bias=true puts biases on o_proj"),
         ("llama", {"mlp_bias": True}, "mlp_bias=true"),
@@ -192,10 +198,63 @@ def test_a_changed_config_json_does_not_change_a_run_that_continues(tmp_path: Pa
         Run.open(parse_spec(spec), RunDir(tmp_path / "run"))
 
 
+# Llama 3.1's RoPE scaling, as its released config.json writes it.
+LLAMA31_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+# As a spec writes it, from an original context of 8 tokens, so that a 16-token test reaches past it.
+SHORT_SCALING = {
+    **{k: v for k, v in LLAMA31_SCALING.items() if k != "rope_type"},
+    "original_max_position_embeddings": 8,
+}
+
+
+def hf_llama3_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """transformers' _compute_llama3_parameters, written out."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def test_llama3_rope_scaling_builds_and_is_hfs(tmp_path: Path) -> None:
+    """Llama 3.1 8B's head width (128) and base: the table's frequencies are HF's scaled ones (they
+    differ from plain RoPE in the low band); a config.json with it builds model.rope_scaling, and
+    one with transformers 5's rope_parameters builds the same."""
+    built = ModelConfig(from_hf=edited(tmp_path, "llama", {"rope_scaling": LLAMA31_SCALING}))
+    assert built.rope_scaling is not None and built.rope_scaling.factor == 8.0
+    v5 = edited(
+        tmp_path, "mistral", {"rope_theta": None, "rope_parameters": {**LLAMA31_SCALING, "rope_theta": 5e5}}
+    )
+    assert ModelConfig(from_hf=v5).rope_scaling == built.rope_scaling
+    table = rope_table(128, 4, 5e5, scaling=built.rope_scaling)
+    ours = torch.atan2(table[1, :, 1], table[1, :, 0])  # position 1: the angle is the frequency
+    expected = hf_llama3_inv_freq(128, 5e5, LLAMA31_SCALING)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=0)
+    assert not torch.allclose(expected, hf_llama3_inv_freq(128, 5e5, {**LLAMA31_SCALING, "factor": 1.0}))
+
+
 @pytest.mark.parametrize(
     "model",
-    [EXPECTED["qwen2"], EXPECTED["qwen3"], EXPECTED["llama"], EXPECTED["mixtral"]],
-    ids=["qwen2", "qwen3", "llama", "mixtral"],
+    [
+        EXPECTED["qwen2"],
+        EXPECTED["qwen3"],
+        EXPECTED["llama"],
+        EXPECTED["mixtral"],
+        dict(EXPECTED["llama"], rope_scaling=SHORT_SCALING),
+    ],
+    ids=["qwen2", "qwen3", "llama", "mixtral", "llama3.1-rope"],
 )
 def test_export_then_from_hf_and_import_gives_the_same_logits(model: dict[str, Any], tmp_path: Path) -> None:
     """A trained tessera model → HF safetensors + config.json → a spec built from that config.json alone,

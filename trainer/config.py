@@ -151,6 +151,31 @@ class MoEConfig(Strict):
         return self
 
 
+class RopeScaling(Strict):
+    """Llama 3.1's RoPE scaling (``rope_type: llama3`` in a Hugging Face config.json): frequencies whose
+    wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by factor, those
+    under original_max_position_embeddings / high_freq_factor are kept, and the band between is
+    interpolated smoothly, so a model trained at the original context reads longer ones."""
+
+    factor: float = Field(ge=1, le=1e6, description="How much the low frequencies are slowed (Llama 3.1: 8).")
+    low_freq_factor: float = Field(
+        gt=0, le=1e6, description="Wavelengths above original/this are scaled (1)."
+    )
+    high_freq_factor: float = Field(gt=0, le=1e6, description="Wavelengths below original/this are kept (4).")
+    original_max_position_embeddings: PositiveInt = Field(
+        description="The context length the model was first trained at (Llama 3.1: 8192)."
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+                f"{self.low_freq_factor} (Llama 3.1: 4 and 1)"
+            )
+        return self
+
+
 def _preset_enum(schema: dict[str, Any]) -> None:
     """The run form's preset menu: every registered family's presets (read when the schema is built)."""
     from trainer.models import preset_names
@@ -192,6 +217,9 @@ class ModelConfig(Strict):
         None, description="Vocabulary size; the tokenizer is trained to it."
     )
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency (default: from preset).")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Llama 3.1-style RoPE scaling (Hugging Face's rope_type llama3); empty: plain RoPE."
+    )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share input embedding and output projection weights.")
     head_dim: PositiveInt | None = Field(
@@ -674,6 +702,7 @@ LATER_MODEL_DEFAULTS = {
     "rope_positions": "sequence",
     "qkv_bias": False,
     "qk_norm": False,
+    "rope_scaling": None,
 }
 
 

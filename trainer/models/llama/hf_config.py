@@ -11,7 +11,7 @@ One tessera Llama is one of five transformers architectures, by its features:
 
 Keys a config.json may leave out take transformers' defaults for its model type. Whatever would build
 a different model than the file describes is refused, naming the key: another activation than SiLU,
-biases on o_proj or the MLP (``attention_bias``, ``mlp_bias``), scaled RoPE (``rope_scaling``),
+biases on o_proj or the MLP (``attention_bias``, ``mlp_bias``), RoPE scaled otherwise than Llama 3.1's,
 sliding-window attention, and MoE or feature combinations no architecture above holds. No torch here:
 spec validation calls :func:`model_fields`.
 """
@@ -84,9 +84,13 @@ def _flag(config: dict[str, Any], key: str) -> bool:
     return value
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
-    """RoPE's base: ``rope_theta`` (transformers 4), or ``rope_parameters.rope_theta`` (transformers 5);
-    scaled RoPE is refused, since tessera's has no scaling."""
+LLAMA3_SCALING = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE's base and scaling: ``rope_theta`` and ``rope_scaling`` (transformers 4), or
+    ``rope_parameters`` (transformers 5). Llama 3.1's scaling (``llama3``) is tessera's
+    ``model.rope_scaling``; any other is refused, since tessera would compute another model."""
     parameters = config.get("rope_parameters")
     scaling = config.get("rope_scaling")
     if isinstance(parameters, dict) and "rope_theta" in parameters:
@@ -96,14 +100,22 @@ def _rope_theta(config: dict[str, Any]) -> float:
         theta, key = config["rope_theta"], "rope_theta"
     else:
         raise ValueError("config.json gives no rope_theta (nor rope_parameters.rope_theta); add RoPE's base")
-    if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
-        if kind not in (None, "default"):
-            raise ValueError(
-                f"rope_scaling type {kind!r}: tessera's RoPE has no scaling, so it would compute another "
-                "model; only configs with unscaled RoPE (rope_scaling: null) build"
-            )
-    return _number(key, theta)
+    kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
+    if kind in (None, "default"):
+        return _number(key, theta), None
+    if kind != "llama3":
+        raise ValueError(
+            f"rope_scaling type {kind!r}: tessera's RoPE scales only as Llama 3.1's ('llama3'), so it would "
+            "compute another model; only configs with that or unscaled RoPE (rope_scaling: null) build"
+        )
+    missing = [name for name in LLAMA3_SCALING if scaling.get(name) is None]
+    if missing:
+        raise ValueError(
+            f"rope_scaling type 'llama3' without {', '.join(missing)}; give all of {LLAMA3_SCALING}"
+        )
+    numbers = {name: _number(f"rope_scaling.{name}", scaling[name]) for name in LLAMA3_SCALING}
+    numbers["original_max_position_embeddings"] = _count(scaling, "original_max_position_embeddings")
+    return _number(key, theta), numbers
 
 
 def _refuse_what_tessera_computes_differently(config: dict[str, Any], model_type: str) -> None:
@@ -151,6 +163,7 @@ def model_fields(config: dict[str, Any]) -> dict[str, Any]:
         if config.get(key) is None:
             raise ValueError(f"config.json has no {key}; a {model_type} config.json gives every dimension")
     _refuse_what_tessera_computes_differently(config, model_type)
+    theta, scaling = _rope(config)
     heads = _count(config, "num_attention_heads")
     dim = _count(config, "hidden_size")
     fields: dict[str, Any] = {
@@ -161,11 +174,13 @@ def model_fields(config: dict[str, Any]) -> dict[str, Any]:
         "n_kv_heads": _count(config, "num_key_value_heads", defaults["num_key_value_heads"] or heads),
         "ffn_dim": _count(config, "intermediate_size"),
         "vocab_size": _count(config, "vocab_size"),
-        "rope_theta": _rope_theta(config),
+        "rope_theta": theta,
         "norm_eps": _number("rms_norm_eps", config.get("rms_norm_eps", defaults["rms_norm_eps"])),
         "tie_embeddings": _flag(config, "tie_word_embeddings"),
         "head_dim": _count(config, "head_dim", defaults["head_dim"] or dim // heads),
     }
+    if scaling is not None:
+        fields["rope_scaling"] = scaling
     if model_type in FEATURES:
         fields[FEATURES[model_type]] = True
     if model_type == "mixtral":
@@ -205,8 +220,8 @@ def check_convertible(cfg: ModelConfig) -> None:
 
 
 def hf_config(cfg: ModelConfig, max_seq_len: int, torch_dtype: str) -> dict[str, Any]:
-    """config.json of transformers' LlamaConfig, MixtralConfig, Qwen2Config or Qwen3Config (no RoPE
-    scaling: tessera has none; no sliding window: tessera attends to the whole sequence)."""
+    """config.json of transformers' LlamaConfig, MixtralConfig, Qwen2Config or Qwen3Config (RoPE scaling
+    only as Llama 3.1's; no sliding window: tessera attends to the whole sequence)."""
     model_type = hf_model_type(cfg)
     architecture = {"llama": "Llama", "mixtral": "Mixtral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
     by_type: dict[str, dict[str, Any]] = {
@@ -233,7 +248,9 @@ def hf_config(cfg: ModelConfig, max_seq_len: int, torch_dtype: str) -> dict[str,
         **by_type[model_type],
         "hidden_act": "silu",
         "max_position_embeddings": max_seq_len,
-        "rope_scaling": None,
+        "rope_scaling": None
+        if cfg.rope_scaling is None
+        else {"rope_type": "llama3", **cfg.rope_scaling.model_dump()},
         "torch_dtype": torch_dtype,
     }
 
@@ -256,6 +273,9 @@ def check_hf_config(config: dict[str, Any], cfg: ModelConfig) -> None:
         for field, hf in CONFIG_FIELDS.items()
         if getattr(cfg, field) != theirs[field] and not (cfg.moe and field == "ffn_dim")
     ]
+    ours = None if cfg.rope_scaling is None else cfg.rope_scaling.model_dump()
+    if ours != theirs.get("rope_scaling"):
+        wrong.append(f"model.rope_scaling={ours} but rope_scaling={theirs.get('rope_scaling')}")
     if cfg.moe is not None:
         moe, their_moe = cfg.moe, theirs["moe"]
         their_expert = their_moe.get("expert_ffn_dim") or theirs["ffn_dim"]

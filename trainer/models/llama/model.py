@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RopeScaling
 from trainer.models.documents import Documents, document_attention, find_documents
 from trainer.models.moe import MoE
 from trainer.rank.loss import linear_cross_entropy, token_loss
@@ -41,14 +41,38 @@ DEVICE_DRAWN = ("cuda",)
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> Tensor:
-    """cos/sin of every (position, frequency) pair: [max_seq_len, head_dim // 2, 2], fp32.
+def rope_table(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: RopeScaling | None = None,
+) -> Tensor:
+    """cos/sin of every (position, frequency) pair: [max_seq_len, head_dim // 2, 2], fp32, with the
+    frequencies scaled as Llama 3.1's when ``scaling`` (``model.rope_scaling``) is given.
 
     Real-valued rather than complex so it works on every backend (XLA and Neuron lack complex ops).
     """
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        freqs = llama3_frequencies(freqs, scaling)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def llama3_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3.1's scaled RoPE frequencies (Meta's ``apply_scaling``; HF's ``_compute_llama3_parameters``):
+    long wavelengths slowed by factor, short ones kept, the band between interpolated."""
+    original, low, high = (
+        scaling.original_max_position_embeddings,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+    )
+    wavelength = 2 * math.pi / freqs
+    slowed = torch.where(wavelength > original / low, freqs / scaling.factor, freqs)
+    smooth = (original / wavelength - low) / (high - low)
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, (1 - smooth) * slowed / scaling.factor + smooth * slowed, slowed)
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
@@ -193,7 +217,8 @@ class Transformer(nn.Module):
         # dataset by whoever builds the model to train or evaluate it; None: each row is one document.
         self.eos_id: int | None = None
         # Non-persistent: derived from the config, so never checkpointed and rebuilt by init_weights.
-        self.register_buffer("rope", rope_table(cfg.head_dim, max_seq_len, cfg.rope_theta), persistent=False)
+        rope = rope_table(cfg.head_dim, max_seq_len, cfg.rope_theta, scaling=cfg.rope_scaling)
+        self.register_buffer("rope", rope, persistent=False)
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         """targets: next tokens [B, T]; given them, the head returns the mean token loss (fp32) without
@@ -226,7 +251,13 @@ class Transformer(nn.Module):
         (seed, layout, device type: see ``DEVICE_DRAWN``).
         """
         self.rope.copy_(
-            rope_table(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta, self.rope.device)
+            rope_table(
+                self.cfg.head_dim,
+                self.max_seq_len,
+                self.cfg.rope_theta,
+                self.rope.device,
+                self.cfg.rope_scaling,
+            )
         )
         # Every other buffer is running state that starts at zero (an MoE router's balancing bias and load).
         for name, buffer in self.named_buffers():
