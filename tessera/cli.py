@@ -444,7 +444,7 @@ def export_checkpoint(
     ] = None,
     dtype: Annotated[str, typer.Option(help="bf16 (what the Hub ships) or fp32 (exact).")] = "bf16",
 ) -> None:
-    """Export a checkpoint's weights as Hugging Face Llama (MoE: Mixtral) safetensors + config.json.
+    """Export a checkpoint's weights as Hugging Face Llama (MoE: Mixtral; Qwen2, Qwen3) safetensors + config.json.
 
     Example: tessera export runs/<run>/checkpoints build/hf
     """
@@ -474,7 +474,8 @@ def import_checkpoint(
     checkpoint_url: Annotated[str, typer.Argument(help="Where to write it (its step-000000 directory).")],
     spec: ModelSpec,
 ) -> None:
-    """Import Hugging Face Llama or Mixtral safetensors as a tessera checkpoint (weights only) for the spec's model.
+    """Import Hugging Face Llama, Mistral, Mixtral, Qwen2 or Qwen3 safetensors as a tessera checkpoint (weights
+    only) for the spec's model (model.from_hf: the HF directory's config.json builds it); training starts from it.
 
     Example: tessera import build/hf runs/imported/checkpoints --spec deployments/specs/local-cpu.yaml
     """

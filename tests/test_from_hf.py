@@ -18,7 +18,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from deployments.run import Run, RunConflict
+from deployments.run import Run, RunConflict, training_changes
 from deployments.spec import SpecError, load_spec, parse_spec
 from tests.test_form import form_errors
 from tests.test_hf_checkpoint import hf_rope, read_safetensors, train_and_save
@@ -404,3 +404,15 @@ def test_the_run_form_leaves_a_from_hf_shape_to_the_spec(tmp_path: Path) -> None
     assert form_errors(spec) == []
     assert parse_spec(spec).parallel.pp == 4
     assert ("spec.parallel.pp", "4 is not one of [1, 2]") in form_errors({**spec, "model": {}})
+
+
+def test_a_run_recorded_before_the_newer_model_fields_continues() -> None:
+    """run.json of a run from before qkv_bias, qk_norm, rope_scaling (and document attention) existed:
+    continuing it with the same spec is no training change, as its fingerprint is none either."""
+    spec = parse_spec({"name": "old", "model": {"preset": "tiny"}})
+    earlier = spec.model_dump(mode="json")
+    for name in ("qkv_bias", "qk_norm", "rope_scaling", "attention", "rope_positions"):
+        del earlier["model"][name]
+    assert training_changes(earlier, spec) == []
+    changed = parse_spec({"name": "old", "model": {"preset": "tiny", "qk_norm": True}})
+    assert training_changes(earlier, changed) == ["model.qk_norm: False → True"]
