@@ -416,3 +416,28 @@ def test_a_run_recorded_before_the_newer_model_fields_continues() -> None:
     assert training_changes(earlier, spec) == []
     changed = parse_spec({"name": "old", "model": {"preset": "tiny", "qk_norm": True}})
     assert training_changes(earlier, changed) == ["model.qk_norm: False → True"]
+
+
+def test_qwen_attention_under_tensor_parallelism_is_refused_naming_the_fix() -> None:
+    spec = {"model": {"from_hf": fixture("qwen3")}, "parallel": {"tp": 2}, "cluster": {"chips_per_node": 2}}
+    with pytest.raises(
+        SpecError, match=r"model\.qk_norm with parallel\.tp=2 is not supported; set parallel\.tp=1"
+    ):
+        parse_spec(spec)
+    spec["model"] = {"from_hf": fixture("qwen2")}
+    with pytest.raises(SpecError, match=r"model\.qkv_bias with parallel\.tp=2"):
+        parse_spec(spec)
+    spec["model"] = {"from_hf": fixture("llama")}
+    assert parse_spec(spec).parallel.tp == 2
+
+
+def test_a_config_in_an_object_store_is_read_through_fsspec() -> None:
+    """fsspec's in-memory store stands in for gs:// and s3:// (the same url_to_fs path)."""
+    import fsspec
+
+    with fsspec.open("memory://models/qwen2/config.json", "wb") as file:
+        file.write(Path(fixture("qwen2")).read_bytes())
+    assert (
+        ModelConfig(from_hf="memory://models/qwen2").model_dump()
+        == ModelConfig(**EXPECTED["qwen2"]).model_dump()
+    )
