@@ -3,7 +3,10 @@
 Core code never imports a family: the trainer builds and parallelizes through :func:`family_of`, the
 planner counts parameters through it, and checkpoint export maps names through it. A spec names a
 family by its preset (``model.preset``; ``custom`` is Llama's), so specs, job JSON and checkpoint
-fingerprints carry no family field of their own. As in torchtitan (``protocols/train_spec.py`` and
+fingerprints carry no family field of their own. A spec's ``model.from_hf`` (a Hugging Face config.json)
+names it through the file's ``model_type``: each family lists the types it builds (``hf_model_types``)
+and its HF mapping's ``model_fields`` turns such a file into a preset of the family and its dimensions
+(``from_hf.py``). As in torchtitan (``protocols/train_spec.py`` and
 ``models/<family>/``), a new architecture is a new folder and one ``register`` call.
 """
 
