@@ -89,7 +89,8 @@ def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
     d, f, a, tokens = model.dim, active_ffn_dim(model), model.n_heads, geo.microbatch_tokens
     shape = attention_shape(model)  # MLA: see trainer/plan/params.py
     norm = tokens * ((2 * FP32 * d + FP32) / t + e * d)
-    attention = norm + tokens * (e * shape.saved + FP32 * (shape.saved_fp32 + a)) / t
+    fp32 = shape.saved_fp32 + a + (shape.saved_in_fp32_only if e == FP32 else 0)
+    attention = norm + tokens * (e * shape.saved + FP32 * fp32) / t
     mlp = norm + tokens * 4 * e * f / t
     return attention, mlp
 
