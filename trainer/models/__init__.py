@@ -101,6 +101,8 @@ class ModelFamily:
     parallelize: Callable[[nn.Module, DeviceMesh, ParallelConfig], nn.Module]
     # Loads the family's Hugging Face mapping (on use: it imports torch); None: no HF format.
     hf: Callable[[], HFMapping] | None = None
+    # Layouts the family refuses (e.g. no TP plan): one error per field, naming it and the fix.
+    check_layout: Callable[[ModelConfig, ParallelConfig], list[str]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -147,4 +149,4 @@ def param_count(model: nn.Module) -> int:
 
 
 # The built-in families register themselves on import; last, since they import this module.
-from trainer.models import llama  # noqa: E402, F401
+from trainer.models import deepseek, llama  # noqa: E402, F401

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from trainer.plan.context import ring_buffer_bytes
 from trainer.plan.layout import Geometry
-from trainer.plan.params import active_ffn_dim
+from trainer.plan.params import active_ffn_dim, attention_shape
 
 FP32 = 4
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter, both precisions (see above)
@@ -87,9 +87,10 @@ def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
     """
     model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
     d, f, a, tokens = model.dim, active_ffn_dim(model), model.n_heads, geo.microbatch_tokens
-    kv = model.n_kv_heads * model.head_dim
+    shape = attention_shape(model)  # MLA: see trainer/plan/params.py
     norm = tokens * ((2 * FP32 * d + FP32) / t + e * d)
-    attention = norm + tokens * (e * (2 * d + 2 * kv) + FP32 * a) / t
+    fp32 = shape.saved_fp32 + a + (shape.saved_in_fp32_only if e == FP32 else 0)
+    attention = norm + tokens * (e * shape.saved + FP32 * fp32) / t
     mlp = norm + tokens * 4 * e * f / t
     return attention, mlp
 
@@ -122,8 +123,9 @@ def selective_layer_bytes(geo: Geometry) -> float:
     outputs of wo and w2, which are full-size partial sums before their reduce-scatter (2eTd).
     """
     model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
-    d, kv = model.dim, model.n_kv_heads * model.head_dim
-    sharded = e * (3 * d + 2 * kv + 2 * active_ffn_dim(model)) + FP32 * model.n_heads
+    d, shape = model.dim, attention_shape(model)  # Llama: column-parallel outputs d + 2·d_kv, SDPA's d
+    columns = sum(out for out, _, row in shape.projections if not row)
+    sharded = e * (d + columns + shape.score_width + 2 * active_ffn_dim(model)) + FP32 * model.n_heads
     return geo.microbatch_tokens * (sharded / t + 2 * e * d)
 
 

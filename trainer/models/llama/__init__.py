@@ -67,6 +67,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def check(cfg: ModelConfig) -> None:
+    if cfg.mla is not None:
+        raise ValueError(
+            f"model.mla (multi-head latent attention) is DeepSeek's; preset {cfg.preset!r} is a Llama: "
+            "remove model.mla or pick a DeepSeek preset (tiny-deepseek, deepseek-custom, ...)"
+        )
     if cfg.dim % cfg.n_heads:
         raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
     if cfg.n_heads % cfg.n_kv_heads:
