@@ -441,3 +441,18 @@ def test_a_config_in_an_object_store_is_read_through_fsspec() -> None:
         ModelConfig(from_hf="memory://models/qwen2").model_dump()
         == ModelConfig(**EXPECTED["qwen2"]).model_dump()
     )
+
+
+def test_a_deepseek_config_builds_the_deepseek_family_through_the_same_field(tmp_path: Path) -> None:
+    """The registry dispatches on model_type: DeepSeek registers deepseek_v3/deepseek_v2 and its mapping's
+    model_fields reads them (the released V2-Lite config.json, as tests/test_hf_checkpoint.py holds it)."""
+    from tests.test_hf_checkpoint import RELEASED_V2_LITE
+
+    path = tmp_path / "v2-lite" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(RELEASED_V2_LITE))
+    built = ModelConfig(from_hf=str(path))
+    assert family_of(built).name == "deepseek" and built.preset == "deepseek-custom"
+    assert built.model_dump()["mla"] == ModelConfig(preset="deepseek-v2-lite").model_dump()["mla"]
+    with pytest.raises(ValidationError, match=r"model\.qk_norm: options of the Llama family's attention"):
+        ModelConfig(from_hf=str(path), qk_norm=True)

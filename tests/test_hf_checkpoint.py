@@ -24,7 +24,10 @@ from trainer.checkpoint.hf import export_hf, import_hf
 from trainer.config import CheckpointConfig, JobConfig, ModelConfig
 from trainer.evaluate import load_model
 from trainer.failures import UserError
+from trainer.models import family_of
+from trainer.models.deepseek import hf as deepseek_hf
 from trainer.models.llama.model import Transformer, apply_rope
+from trainer.rank.step_hooks import after_optimizer_step
 
 MODEL = dict(
     preset="custom", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, rope_theta=5e5
@@ -52,12 +55,13 @@ HF_SHAPES = {
 
 def train_and_save(job: JobConfig, url: str) -> dict[str, torch.Tensor]:
     """Commit a checkpoint of job's model after one AdamW step at url; return its weights."""
-    model = Transformer(job.model, max_seq_len=job.train.seq_len)
+    model = family_of(job.model).build(job.model, job.train.seq_len)
     model.init_weights(job.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(job.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
+    after_optimizer_step([model])  # moves routing biases (balance: bias) off zero
     manager = CheckpointManager(
         url, CheckpointConfig(mode="sync"), 1, job.model_fingerprint(), 1, 0, job.parallel.model_dump()
     )
@@ -398,3 +402,245 @@ def test_bias_balanced_models_import_with_zero_biases_and_refuse_export(tmp_path
     assert torch.equal(state["layers.1.feed_forward.router.expert_bias"], torch.zeros(8))
     with pytest.raises(UserError, match=re.escape("model.moe.balance='bias'")):
         export_hf(step_url, biased, tmp_path / "again")
+
+
+# DeepSeek: a V3-style model (low-rank query, sigmoid router with its bias, first layer dense) and a
+# V2-Lite-style one (plain query, softmax router, weights not normalised, no bias).
+DEEPSEEK_V3 = dict(
+    preset="deepseek-custom",
+    n_layers=3,
+    dim=32,
+    n_heads=2,
+    n_kv_heads=2,
+    ffn_dim=48,
+    vocab_size=64,
+    rope_theta=1e4,
+    mla=dict(q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    moe=dict(
+        n_experts=4,
+        top_k=2,
+        shared_experts=1,
+        expert_ffn_dim=12,
+        first_dense_layers=1,
+        score="sigmoid",
+        routed_scale=2.5,
+        balance="bias",
+        bias_update_rate=0.05,
+    ),
+)
+DEEPSEEK_V2 = {
+    **DEEPSEEK_V3,
+    "mla": {**DEEPSEEK_V3["mla"], "q_lora_rank": None},
+    "moe": dict(
+        n_experts=4,
+        top_k=2,
+        shared_experts=2,
+        expert_ffn_dim=12,
+        first_dense_layers=1,
+        normalize_weights=False,
+    ),
+}
+
+
+def deepseek_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """transformers' DeepseekV3/V2ForCausalLM names and shapes, written out by hand."""
+    d, mla, moe, heads = cfg.dim, cfg.mla, cfg.moe, cfg.n_heads
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, d),
+        "model.norm.weight": (d,),
+        "lm_head.weight": (cfg.vocab_size, d),
+    }
+    for i in range(cfg.n_layers):
+        layer = f"model.layers.{i}"
+        attn = f"{layer}.self_attn"
+        if mla.q_lora_rank is None:
+            shapes[f"{attn}.q_proj.weight"] = (heads * qk, d)
+        else:
+            shapes |= {
+                f"{attn}.q_a_proj.weight": (mla.q_lora_rank, d),
+                f"{attn}.q_a_layernorm.weight": (mla.q_lora_rank,),
+                f"{attn}.q_b_proj.weight": (heads * qk, mla.q_lora_rank),
+            }
+        shapes |= {
+            f"{attn}.kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, d),
+            f"{attn}.kv_a_layernorm.weight": (mla.kv_lora_rank,),
+            f"{attn}.kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+            f"{attn}.o_proj.weight": (d, heads * mla.v_head_dim),
+            f"{layer}.input_layernorm.weight": (d,),
+            f"{layer}.post_attention_layernorm.weight": (d,),
+        }
+        if i < moe.first_dense_layers:
+            f = cfg.ffn_dim
+            shapes |= {
+                f"{layer}.mlp.{p}.weight": (d, f) if p == "down_proj" else (f, d)
+                for p in ("gate_proj", "up_proj", "down_proj")
+            }
+            continue
+        shapes[f"{layer}.mlp.gate.weight"] = (moe.n_experts, d)
+        if moe.score == "sigmoid":
+            shapes[f"{layer}.mlp.gate.e_score_correction_bias"] = (moe.n_experts,)
+        f = moe.expert_ffn_dim
+        for prefix, width in [(f"experts.{j}", f) for j in range(moe.n_experts)] + [
+            ("shared_experts", f * moe.shared_experts)
+        ]:
+            shapes |= {
+                f"{layer}.mlp.{prefix}.gate_proj.weight": (width, d),
+                f"{layer}.mlp.{prefix}.up_proj.weight": (width, d),
+                f"{layer}.mlp.{prefix}.down_proj.weight": (d, width),
+            }
+    return shapes
+
+
+@pytest.mark.parametrize(
+    ("model", "model_type"),
+    [(DEEPSEEK_V3, "deepseek_v3"), (DEEPSEEK_V2, "deepseek_v2")],
+    ids=["v3", "v2_lite"],
+)
+def test_deepseek_exports_under_its_hf_names_and_imports_identical_tensors(
+    model: dict, model_type: str, tmp_path: Path
+) -> None:
+    job = JobConfig.model_validate({"seed": 5, "model": model, "train": {"seq_len": 16}})
+    weights = train_and_save(job, str(tmp_path / "checkpoints"))
+    out = export_hf(str(tmp_path / "checkpoints"), job, tmp_path / "hf", dtype="fp32")
+    exported = read_safetensors(out)
+    assert {k: tuple(v.shape) for k, v in exported.items()} == deepseek_shapes(job.model)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type and config["first_k_dense_replace"] == 1
+    # Names only: the released shapes, splits and (adjacent-pair) RoPE layout are tessera's.
+    assert torch.equal(
+        exported["model.layers.2.self_attn.kv_b_proj.weight"], weights["layers.2.attention.wkv_b.weight"]
+    )
+    assert torch.equal(
+        exported["model.layers.1.mlp.experts.3.down_proj.weight"],
+        weights["layers.1.feed_forward.experts.w2"][3].T,
+    )
+    if model_type == "deepseek_v3":
+        bias = weights["layers.1.feed_forward.router.expert_bias"]
+        assert bias.abs().sum() > 0, "the step moved the routing bias"
+        assert torch.equal(exported["model.layers.1.mlp.gate.e_score_correction_bias"], bias)
+    _, restored = load_model(import_hf(out, job, str(tmp_path / "imported")), job)
+    state = restored.state_dict()
+    assert set(state) == set(weights)
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+    # The exported config.json reads back as the same model.
+    assert ModelConfig(**deepseek_hf.model_fields(config)).model_dump() == {
+        **job.model.model_dump(),
+        "moe": {
+            **job.model.moe.model_dump(),
+            "bias_update_rate": 0.001 if model_type == "deepseek_v3" else None,
+        },
+    }
+
+
+# The released config.json files' architecture keys (huggingface.co/deepseek-ai/DeepSeek-V3 and
+# DeepSeek-V2-Lite), as the presets cite them.
+RELEASED_V3 = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "intermediate_size": 18432,
+    "vocab_size": 129280,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 2048,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "tie_word_embeddings": False,
+    "aux_loss_alpha": 0.001,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
+}
+RELEASED_V2_LITE = {
+    "model_type": "deepseek_v2",
+    "num_hidden_layers": 27,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 10944,
+    "vocab_size": 102400,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "moe_intermediate_size": 1408,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "scoring_func": "softmax",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000,
+    "tie_word_embeddings": False,
+    "aux_loss_alpha": 0.001,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "preset"),
+    [(RELEASED_V3, "deepseek-v3"), (RELEASED_V2_LITE, "deepseek-v2-lite")],
+    ids=["v3", "v2_lite"],
+)
+def test_model_fields_of_a_released_config_are_the_preset(config: dict, preset: str) -> None:
+    fields = ModelConfig(**deepseek_hf.model_fields(config)).model_dump()
+    ours = ModelConfig(preset=preset).model_dump()
+    assert fields["preset"] == "deepseek-custom"
+    assert {k: v for k, v in fields.items() if k not in ("preset", "moe")} == {
+        k: v for k, v in ours.items() if k not in ("preset", "moe")
+    }
+    # The preset takes the paper's balance-loss weight for V3 (1e-4); the file's aux_loss_alpha is 0.001.
+    assert {k: v for k, v in fields["moe"].items() if k != "aux_loss_coef"} == {
+        k: v for k, v in ours["moe"].items() if k != "aux_loss_coef"
+    }
+
+
+def test_deepseek_conversion_refuses_what_transformers_would_compute_differently(tmp_path: Path) -> None:
+    every_other = JobConfig.model_validate(
+        {
+            "model": {**DEEPSEEK_V3, "moe": {**DEEPSEEK_V3["moe"], "every_n_layers": 2}},
+            "train": {"seq_len": 16},
+        }
+    )
+    with pytest.raises(UserError, match=re.escape("model.moe.every_n_layers=2")):
+        export_hf(str(tmp_path / "none"), every_other, tmp_path / "hf")
+    softmax_bias = JobConfig.model_validate(
+        {
+            "model": {**DEEPSEEK_V3, "moe": {**DEEPSEEK_V3["moe"], "score": "softmax"}},
+            "train": {"seq_len": 16},
+        }
+    )
+    with pytest.raises(UserError, match=re.escape("model.moe.balance='bias' with score='softmax'")):
+        export_hf(str(tmp_path / "none"), softmax_bias, tmp_path / "hf")
+    v3 = JobConfig(model={"preset": "deepseek-v3"})
+    with pytest.raises(UserError, match=r"rope_scaling=.*; n_group=8, topk_group=4: group-limited routing"):
+        deepseek_hf.check_hf_config(RELEASED_V3, v3.model)
+    with pytest.raises(UserError, match=re.escape("model.n_layers=3 but config.json gives 61")):
+        deepseek_hf.check_hf_config(
+            {**RELEASED_V3, "rope_scaling": None, "n_group": 1}, JobConfig(model=DEEPSEEK_V3).model
+        )
+    with pytest.raises(
+        UserError, match="model_type 'llama'; the DeepSeek family reads deepseek_v3, deepseek_v2"
+    ):
+        deepseek_hf.model_fields({"model_type": "llama"})

@@ -234,7 +234,12 @@ def test_planner_prices_the_expert_all_to_all() -> None:
             "model.moe.top_k=5 exceeds model.moe.n_experts=4",
         ),
         ({**SMALL, "moe": dict(n_experts=4)}, dict(compile=True), 1, "set parallel.compile=false"),
-        ({**SMALL, "moe": dict(n_experts=4)}, dict(pp=2), 2, "set parallel.pp=1"),
+        (
+            {**SMALL, "moe": dict(n_experts=4, balance="bias")},
+            dict(pp=2),
+            2,
+            "model.moe.balance=bias with parallel.pp=2 is not supported",
+        ),
         (
             {**SMALL, "moe": dict(n_experts=4, bias_update_rate=0.01)},
             {},

@@ -2,7 +2,7 @@
 
 One launch runs all layouts (FSDP, HSDP, TP+SP, PP with each schedule incl. zero-bubble, ZB-V and
 DualPipeV, PP×TP, AC, tied embeddings,
-bf16, CP×FSDP, CP×TP, document masking under FSDP×TP, MoE under FSDP, EP×FSDP, EP×HSDP, EP×TP, and pure DP on DDP, dense and MoE) and a ring-attention check in the same processes: torchrun start-up (~15 s here) dominates, the layouts take ~2-5 s each.
+bf16, CP×FSDP, CP×TP, document masking under FSDP×TP, MoE under FSDP, EP×FSDP, EP×HSDP, EP×TP, PP, and pure DP on DDP, dense and MoE; the DeepSeek family under FSDP, EP×FSDP and PP) and a ring-attention check in the same processes: torchrun start-up (~15 s here) dominates, the layouts take ~2-5 s each.
 8-process layouts (e.g. pp2×dp2×tp2) are left out: 8 ranks on a 2-core CI box are dominated by
 start-up and oversubscription; pp×tp and dp×tp are each covered on 4 ranks.
 """

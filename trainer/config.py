@@ -131,6 +131,27 @@ class MoEConfig(Strict):
         description="balance 'bias' only: how far each step moves an expert's bias, up if the global "
         "batch gave it fewer tokens than the mean, down if more (default 0.001, DeepSeek-V3's).",
     )
+    first_dense_layers: Count = Field(
+        0,
+        description="Leading layers kept dense (model.ffn_dim wide) whatever every_n_layers says: "
+        "DeepSeek's first_k_dense_replace (V3: 3, V2-Lite: 1).",
+    )
+    score: Literal["softmax", "sigmoid"] = Field(
+        "softmax",
+        description="Router score per expert: softmax over experts (Mixtral, DeepSeek-V2) or an independent "
+        "sigmoid each (DeepSeek-V3).",
+    )
+    normalize_weights: bool = Field(
+        True,
+        description="Rescale the chosen experts' scores to sum to 1 (DeepSeek's norm_topk_prob; V2-Lite: "
+        "false).",
+    )
+    routed_scale: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="Multiplies the routed experts' mixing weights (DeepSeek's routed_scaling_factor; V3: 2.5).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -183,6 +204,29 @@ def _preset_enum(schema: dict[str, Any]) -> None:
     schema["enum"] = preset_names()
 
 
+class MLAConfig(Strict):
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values are rebuilt per head from one
+    low-rank latent, plus a RoPE key part shared by every head; queries optionally low-rank too."""
+
+    q_lora_rank: PositiveInt | None = Field(
+        None,
+        description="Rank of the compressed query (V3: 1536); none: a plain query projection (V2-Lite).",
+    )
+    kv_lora_rank: PositiveInt = Field(description="Rank of the joint key/value latent (V3 and V2-Lite: 512).")
+    qk_nope_head_dim: PositiveInt = Field(
+        description="Per-head query/key width that RoPE leaves alone (128)."
+    )
+    qk_rope_head_dim: PositiveInt = Field(
+        description="Query/key width that RoPE rotates; the key's part is shared by all heads (64; even)."
+    )
+    v_head_dim: PositiveInt = Field(description="Per-head value width (128).")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key width per head; softmax scales scores by its inverse square root."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class ModelConfig(Strict):
     """A decoder: a preset of a registered model family (``trainer/models/``), optionally with any
     dimension overridden. The preset names the family; ``custom`` is a Llama of the given dimensions.
@@ -200,7 +244,7 @@ class ModelConfig(Strict):
         pattern=NO_CONTROL_CHARACTERS,
         description="A Hugging Face config.json (or its directory): local path relative to the working "
         "directory, gs:// or s3://, never the Hub. Builds its model_type's family (llama, mistral, mixtral, "
-        "qwen2, qwen3) with its dimensions; other model fields set here override the file's. Leave preset "
+        "qwen2, qwen3, deepseek_v3, deepseek_v2) with its dimensions; other model fields set here override the file's. Leave preset "
         "unset.",
     )
     preset: str = Field(
@@ -231,6 +275,9 @@ class ModelConfig(Strict):
         False, description="RMSNorm over each query and key head before RoPE (Qwen3); gains of head_dim."
     )
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts layers (default: from preset; none).")
+    mla: MLAConfig | None = Field(
+        None, description="Multi-head latent attention: DeepSeek family only (default: from preset)."
+    )
     attention: Literal["causal", "document"] = Field(
         "causal",
         description="causal: a token attends to every earlier token of its sample, across the packed "
@@ -279,6 +326,10 @@ class ModelConfig(Strict):
         base = preset_shape(self.preset)
         if self.moe is None and "moe" in base:
             object.__setattr__(self, "moe", MoEConfig(**base["moe"]))
+        if self.mla is None and "mla" in base:
+            object.__setattr__(self, "mla", MLAConfig(**base["mla"]))
+        if "norm_eps" in base and "norm_eps" not in self.model_fields_set:
+            object.__setattr__(self, "norm_eps", float(base["norm_eps"]))
         missing = []
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta"):
             if getattr(self, key) is None:
@@ -289,14 +340,9 @@ class ModelConfig(Strict):
                 object.__setattr__(self, key, type(base[key])(base[key]))
         if missing:
             raise ValueError(
-                f"model.preset=custom needs model.{', model.'.join(missing)}; set them or pick a preset"
+                f"model.preset={self.preset} needs model.{', model.'.join(missing)}; set them or pick a preset"
             )
-        if self.head_dim is None:
-            if self.dim % self.n_heads:
-                raise ValueError(
-                    f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}, or set "
-                    "model.head_dim"
-                )
+        if self.head_dim is None:  # derived (a family may require dim to divide evenly: Llama does)
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         family_of(self).check(self)
         if self.rope_positions == "document" and self.attention != "document":
@@ -312,7 +358,8 @@ class ModelConfig(Strict):
         fingerprints of models that never set it stay as they were, and a dump whose dim is edited
         derives it again."""
         data = handler(self)
-        if self.dim and self.n_heads and data.get("head_dim") == self.dim // self.n_heads:
+        derived = self.dim and self.n_heads and not self.dim % self.n_heads and self.dim // self.n_heads
+        if derived and data.get("head_dim") == derived:
             del data["head_dim"]
         return data
 
@@ -322,14 +369,19 @@ class ModelConfig(Strict):
         return self.n_heads * self.head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        every = self.moe.every_n_layers if self.moe else 0
-        return every > 0 and layer % every == every - 1
+        if self.moe is None or layer < self.moe.first_dense_layers:
+            return False
+        every = self.moe.every_n_layers
+        return layer % every == every - 1
 
     @property
     def moe_layer_count(self) -> int:
         """How many layers ``is_moe_layer`` picks, counted without visiting them: the planner runs on
         every validation, and n_layers may be up to 2³¹."""
-        return self.n_layers // self.moe.every_n_layers if self.moe else 0
+        if self.moe is None:
+            return 0
+        every, dense = self.moe.every_n_layers, min(self.moe.first_dense_layers, self.n_layers)
+        return self.n_layers // every - dense // every
 
     @property
     def expert_ffn_dim(self) -> int:
@@ -700,9 +752,16 @@ class DataConfig(CorpusConfig):
 LATER_MODEL_DEFAULTS = {
     "attention": "causal",
     "rope_positions": "sequence",
+    "mla": None,
     "qkv_bias": False,
     "qk_norm": False,
     "rope_scaling": None,
+}
+LATER_MOE_DEFAULTS = {
+    "first_dense_layers": 0,
+    "score": "softmax",
+    "normalize_weights": True,
+    "routed_scale": 1.0,
 }
 
 
@@ -766,7 +825,8 @@ class JobConfig(Strict):
         so a model that leaves them alone keeps the fingerprint its existing checkpoints carry.
         """
         shape = self.model.model_dump()
-        for name, default in LATER_MODEL_DEFAULTS.items():
-            if shape[name] == default:
-                del shape[name]
+        for fields, defaults in ((shape, LATER_MODEL_DEFAULTS), (shape["moe"] or {}, LATER_MOE_DEFAULTS)):
+            for name, default in defaults.items():
+                if fields.get(name, default) == default:
+                    fields.pop(name, None)
         return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:16]

@@ -27,8 +27,7 @@ from torch.distributed.tensor import DTensor
 from tests.dist.cp_checks import reshard_max_error, ring_attention_max_error
 from trainer.config import JobConfig
 from trainer.rank.local_tensor import local_tensor
-from trainer.models import param_count
-from trainer.models.llama.model import Transformer
+from trainer.models import family_of, param_count
 from trainer.models.moe import MoE
 from trainer.parallel import ParallelModel, build_parallel_model, token_loss
 from trainer.parallel.context import shard_sequence
@@ -58,6 +57,28 @@ BIAS_STEPS = 5
 # half of the counting rows, so rows hold one or two documents.
 DOCUMENT = {**MODEL, "vocab_size": 32, "attention": "document", "rope_positions": "document"}
 EOS_ID = 0  # the bias first acts on step 2: more steps for a missing all-reduce to show in the loss
+# The DeepSeek family: MLA (low-rank query; values narrower than queries and keys), a dense first layer,
+# then MoE with V3's routing (sigmoid, normalised, scaled) balanced by bias and auxiliary loss together.
+DEEPSEEK = {
+    **MODEL,
+    "preset": "deepseek-custom",
+    "n_kv_heads": 4,
+    "mla": dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+    "moe": dict(
+        n_experts=4,
+        top_k=2,
+        shared_experts=1,
+        expert_ffn_dim=64,
+        first_dense_layers=1,
+        score="sigmoid",
+        routed_scale=2.5,
+        balance="bias",
+        aux_loss_coef=0.1,
+        bias_update_rate=0.05,
+    ),
+}
+# Under a pipeline, balanced by the auxiliary loss alone (the spec refuses balance: bias with pp > 1).
+DEEPSEEK_AUX = {**DEEPSEEK, "moe": {**DEEPSEEK["moe"], "balance": "aux_loss", "bias_update_rate": None}}
 
 # name -> (model dims, parallel section). Every layout uses all 4 processes.
 SHARDED_INIT = "ddp2_tp2_sharded_init"  # run after LAYOUTS: built on meta, only local shards initialized
@@ -97,6 +118,11 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "ddp4": (MODEL, dict(dp_replicate=4)),
     "ddp4_bf16": (MODEL, dict(dp_replicate=4, mixed_precision="bf16")),
     "moe_ddp4": (MOE, dict(dp_replicate=4)),
+    # MoE through a pipeline: the schedule scales the auxiliary loss's gradient with the token loss's.
+    "moe_pp2_dp2_1f1b": (MOE, dict(pp=2, dp_shard=2, pp_schedule="1f1b")),
+    "deepseek_fsdp4": (DEEPSEEK, dict(dp_shard=4)),
+    "deepseek_ep2_fsdp2": (DEEPSEEK, dict(dp_shard=4, ep=2)),
+    "deepseek_aux_pp2_dp2_1f1b": (DEEPSEEK_AUX, dict(pp=2, dp_shard=2, pp_schedule="1f1b")),
 }
 # Sequences per micro-batch where MICRO_BATCH would leave a layout a single micro-batch per step.
 MICRO_BATCHES = {"ddp4": 1, "moe_ddp4": 1}
@@ -109,7 +135,7 @@ def job_for(model: dict[str, Any], parallel: dict[str, Any], micro_batch: int = 
             "model": model,
             "parallel": parallel,
             "train": {
-                "steps": BIAS_STEPS if model is MOE_BIAS else STEPS,
+                "steps": BIAS_STEPS if model.get("moe", {}).get("balance") == "bias" else STEPS,
                 "seq_len": SEQ_LEN,
                 "global_batch_size": GLOBAL_BATCH,
                 "micro_batch_size": micro_batch,
@@ -128,7 +154,7 @@ def global_batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_reference(job: JobConfig) -> dict[str, list[float]]:
     """The unparallelized model on the whole global batch: what every layout must reproduce."""
-    model = Transformer(job.model, max_seq_len=SEQ_LEN)
+    model = build(job)
     model.init_weights(job.seed)
     model.eos_id = EOS_ID
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -143,6 +169,11 @@ def train_reference(job: JobConfig) -> dict[str, list[float]]:
         after_optimizer_step([model])
         optimizer.zero_grad()
     return curves
+
+
+def build(job: JobConfig) -> torch.nn.Module:
+    """The unparallelized model of job's family, on the current default device."""
+    return family_of(job.model).build(job.model, SEQ_LEN)
 
 
 def train_layout(job: JobConfig, init_whole: bool) -> dict[str, Any]:
@@ -185,6 +216,8 @@ def logits_per_rank(pm: ParallelModel, inputs: torch.Tensor) -> int | None:
 
 def reference_name(job: JobConfig) -> str:
     """Which single-process reference curve a layout must reproduce."""
+    if job.model.mla:
+        return "deepseek" if job.model.moe.balance == "bias" else "deepseek_aux"
     if job.model.moe:
         return "moe_bias" if job.model.moe.balance == "bias" else "moe"
     if job.model.attention == "document":
@@ -218,13 +251,13 @@ def stored_copies(pm: ParallelModel, job: JobConfig) -> float:
     total = torch.tensor(float(local))
     dist.all_reduce(total)
     with torch.device("meta"):
-        return total.item() / param_count(Transformer(job.model, max_seq_len=SEQ_LEN))
+        return total.item() / param_count(build(job))
 
 
 def moe_fraction(job: JobConfig) -> float:
     """Share of the parameters in MoE layers, which TP leaves whole on every tp rank."""
     with torch.device("meta"):
-        model = Transformer(job.model, max_seq_len=SEQ_LEN)
+        model = build(job)
     moe = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.parameters())
     return moe / param_count(model)
 
@@ -235,7 +268,7 @@ def check_fqns(pm: ParallelModel, job: JobConfig) -> None:
     gathered: list[set[str]] = [set() for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     with torch.device("meta"):
-        expected = set(Transformer(job.model, max_seq_len=SEQ_LEN).state_dict())
+        expected = set(build(job).state_dict())
     union = set().union(*gathered)
     assert union == expected, (
         f"FQNs differ: extra {sorted(union - expected)}, missing {sorted(expected - union)}"
@@ -275,6 +308,8 @@ def main(out_path: str) -> None:
             "moe": train_reference(job_for(MOE, {"dp_shard": WORLD})),
             "moe_bias": train_reference(job_for(MOE_BIAS, {"dp_shard": WORLD})),
             "document": train_reference(job_for(DOCUMENT, {"dp_shard": WORLD})),
+            "deepseek": train_reference(job_for(DEEPSEEK, {"dp_shard": WORLD})),
+            "deepseek_aux": train_reference(job_for(DEEPSEEK_AUX, {"dp_shard": WORLD})),
         }
     runs = [(name, model, parallel, True) for name, (model, parallel) in LAYOUTS.items()]
     # The large-model path: built on meta, parallelized, then only local shards are initialized.

@@ -113,6 +113,8 @@ class ModelFamily:
     # The config.json ``model_type`` values ``model.from_hf`` builds this family from (its mapping's
     # ``model_fields`` reads them); each type belongs to one family.
     hf_model_types: tuple[str, ...] = ()
+    # Layouts the family refuses (e.g. no TP plan): one error per field, naming it and the fix.
+    check_layout: Callable[[ModelConfig, ParallelConfig], list[str]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -178,4 +180,4 @@ def param_count(model: nn.Module) -> int:
 
 
 # The built-in families register themselves on import; last, since they import this module.
-from trainer.models import llama  # noqa: E402, F401
+from trainer.models import deepseek, llama  # noqa: E402, F401

@@ -18,6 +18,7 @@ from typing import Any
 
 import fsspec
 
+from trainer.failures import UserError
 from trainer.hub import HUB_URL_PREFIXES
 from trainer.models import hf_model_types, hf_type_family
 
@@ -92,5 +93,5 @@ def model_fields(location: str) -> dict[str, Any]:
         )
     try:
         return family.hf().model_fields(config)
-    except ValueError as exc:
+    except (ValueError, UserError) as exc:  # as a ValueError: what pydantic reports as the field's error
         raise ValueError(f"model.from_hf={location!r}: {exc}") from None

@@ -1,8 +1,10 @@
 """Mixture-of-experts feed-forward: a router, routed SwiGLU experts and optional shared experts.
 
 Top-k token choice (Mixtral): each token goes to the k experts with the highest router probability and
-mixes their outputs with those probabilities renormalized over the k. Dropless: every expert processes
-every token routed to it (no capacity factor), so the result does not depend on how a batch is split.
+mixes their outputs with those probabilities renormalized over the k. DeepSeek's variants are options of
+``model.moe``: sigmoid scores (V3), weights left unnormalized (V2-Lite), and a routed_scale on the mixing
+weights (V3's routed_scaling_factor). Dropless: every expert processes every token routed to it (no
+capacity factor), so the result does not depend on how a batch is split.
 
 Load balancing, both DeepSeek-V3's (``model.moe.balance``):
 
@@ -114,6 +116,11 @@ class Router(nn.Module):
         super().__init__()
         self.gate = nn.Linear(dim, cfg.n_experts, bias=False)
         self.top_k = cfg.top_k
+        self.score, self.normalize_weights, self.routed_scale = (
+            cfg.score,
+            cfg.normalize_weights,
+            cfg.routed_scale,
+        )
         self.aux_loss_coef = cfg.aux_loss_coef
         self.bias_update_rate = cfg.bias_update_rate
         biased = cfg.balance == "bias"  # otherwise no buffers: checkpoints keep only the weights
@@ -124,13 +131,17 @@ class Router(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, d] -> (weights [B·T, k], experts [B·T, k], auxiliary loss []); routing in fp32."""
-        probs = self.gate(x).float().softmax(dim=-1)
+        logits = self.gate(x).float()
+        scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         if self.expert_bias is None:
-            top_probs, experts = probs.topk(self.top_k, dim=-1)
-        else:  # the bias picks the experts; their weights are still the unbiased probabilities
-            experts = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices
-            top_probs = probs.gather(-1, experts)
-        weights = top_probs / top_probs.sum(dim=-1, keepdim=True)
+            top_scores, experts = scores.topk(self.top_k, dim=-1)
+        else:  # the bias picks the experts; their weights are still the unbiased scores
+            experts = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
+            top_scores = scores.gather(-1, experts)
+        weights = top_scores / top_scores.sum(dim=-1, keepdim=True) if self.normalize_weights else top_scores
+        weights = weights * self.routed_scale if self.routed_scale != 1.0 else weights
+        # The balance loss's P_e is a distribution over experts (DeepSeek-V3 normalises its sigmoid scores).
+        probs = scores if self.score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         n_experts = probs.shape[-1]
         with torch.no_grad():
             chosen = torch.zeros_like(probs).scatter_(-1, experts, 1.0)

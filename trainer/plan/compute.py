@@ -18,7 +18,7 @@ from trainer.plan.kernels import (
     with_launches,
 )
 from trainer.plan.layout import Geometry
-from trainer.plan.params import active_ffn_dim
+from trainer.plan.params import active_ffn_dim, attention_shape
 from trainer.plan.profile import HardwareProfile, MatmulPrecision
 
 FP32 = 4
@@ -48,18 +48,15 @@ class BlockSeconds:
 
 
 def block_matmuls(geo: Geometry) -> list[tuple[float, float, float]]:
-    """(m, n, k) of the block's forward matmuls on one TP rank: wq, wk, wv, wo, w1, w3, w2."""
+    """(m, n, k) of the block's forward matmuls on one TP rank: the attention's projections (Llama: wq,
+    wk, wv, wo; MLA: its query, latent and output projections, ``attention_shape``), then w1, w3, w2."""
     model, t, tokens = geo.model, geo.parallel.tp, geo.microbatch_tokens
-    d, f, kv, q = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim, model.q_dim
-    return [
-        (tokens, q / t, d),
-        (tokens, kv / t, d),
-        (tokens, kv / t, d),
-        (tokens, d, q / t),
-        (tokens, f / t, d),
-        (tokens, f / t, d),
-        (tokens, d, f / t),
+    d, f = model.dim, active_ffn_dim(model)
+    attention = [
+        (tokens, out, inner / t) if row else (tokens, out / t, inner)
+        for out, inner, row in attention_shape(model).projections
     ]
+    return [*attention, (tokens, f / t, d), (tokens, f / t, d), (tokens, d, f / t)]
 
 
 def elementwise_bytes(geo: Geometry) -> float:
@@ -71,11 +68,11 @@ def elementwise_bytes(geo: Geometry) -> float:
     each), RoPE 3, SwiGLU 3 (read both inputs, write the product). Backward moves about twice as much.
     """
     model, e, t = geo.model, geo.compute_bytes, geo.parallel.tp
-    d, f, kv, q = model.dim, active_ffn_dim(model), model.n_kv_heads * model.head_dim, model.q_dim
+    d, f, rope = model.dim, active_ffn_dim(model), attention_shape(model).rope_width
     if geo.parallel.compile:
-        per_token = e * (6 * d + 3 * (q + kv) + 3 * f)
+        per_token = e * (6 * d + 3 * rope + 3 * f)
     else:
-        per_token = FP32 * 14 * d + e * (6 * d + 6 * (q + kv) + 5 * f)
+        per_token = FP32 * 14 * d + e * (6 * d + 6 * rope + 5 * f)
     return geo.microbatch_tokens * per_token / t
 
 
@@ -98,7 +95,7 @@ def block_attention_seconds(geo: Geometry, hw: HardwareProfile) -> float:
     see document lengths). Elsewhere its dense mask costs DENSE_MASK_WORK × causal.
     """
     model, par = geo.model, geo.parallel
-    width = model.n_heads * model.head_dim / par.tp
+    width = attention_shape(model).score_width / par.tp
     whole = attention_seconds(geo.train.micro_batch_size, geo.train.seq_len, width, hw, par.mixed_precision)
     dense_mask = model.attention == "document" and geo.accelerator != "gpu"
     return whole / par.cp * (DENSE_MASK_WORK if dense_mask else 1.0)
@@ -108,11 +105,11 @@ def matmul_precisions(geo: Geometry) -> list[MatmulPrecision]:
     """What each of :func:`block_matmuls` computes in: fp8 for the nn.Linear layers parallel.float8
     converts (all seven in a dense block; an MoE block's experts run grouped matmuls, which
     torchao.float8 leaves in the compute dtype), else FSDP's compute dtype."""
-    dtype = geo.parallel.mixed_precision
+    dtype, attention = geo.parallel.mixed_precision, len(attention_shape(geo.model).projections)
     if geo.parallel.float8 == "none":
-        return [dtype] * 7
+        return [dtype] * (attention + 3)
     ffn: MatmulPrecision = dtype if geo.model.moe is not None else "fp8"
-    return ["fp8"] * 4 + [ffn] * 3
+    return ["fp8"] * attention + [ffn] * 3
 
 
 def block_seconds(geo: Geometry, hw: HardwareProfile) -> BlockSeconds:

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from trainer.plan.context import ring_buffer_bytes
 from trainer.plan.layout import Geometry
-from trainer.plan.params import active_ffn_dim
+from trainer.plan.params import active_ffn_dim, attention_shape
 
 FP32 = 4
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # per parameter, both precisions (see above)
@@ -74,8 +74,8 @@ def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
     upcast to fp32 (4Td), the normalized fp32 tensor its gain multiplies (4Td) and the fp32 rstd
     (4T), all sequence-sharded under SP (/t); its e-byte output is saved by the next projections,
     *gathered* over t (DTensor saves the all-gathered input; Megatron would re-gather instead).
-    Attention saves q (q = n_heads·head_dim wide: d unless model.head_dim is set apart), k and v at the GQA width d_kv (SDPA reads the grouped heads in place,
-    ``enable_gqa``) and the SDPA output, which is the wo input (e·T·(2q + 2d_kv)/t), plus SDPA's fp32
+    Attention saves q (d wide), k and v at the GQA width d_kv (SDPA reads the grouped heads in place,
+    ``enable_gqa``) and the SDPA output, which is the wo input (e·T·(2d + 2d_kv)/t), plus SDPA's fp32
     log-sum-exp (4Ta/t); flash-style SDPA never materializes the s² scores, so Korthikanti's 5as²b
     term is absent. SwiGLU saves w1x, silu(w1x), w3x and their product (4eTf/t). Residual adds save
     nothing. Total:
@@ -87,9 +87,10 @@ def layer_activation_bytes(geo: Geometry) -> tuple[float, float]:
     """
     model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
     d, f, a, tokens = model.dim, active_ffn_dim(model), model.n_heads, geo.microbatch_tokens
-    kv, q = model.n_kv_heads * model.head_dim, model.q_dim
+    shape = attention_shape(model)  # MLA: see trainer/plan/params.py
     norm = tokens * ((2 * FP32 * d + FP32) / t + e * d)
-    attention = norm + tokens * (e * (2 * q + 2 * kv) + FP32 * a) / t
+    fp32 = shape.saved_fp32 + a + (shape.saved_in_fp32_only if e == FP32 else 0)
+    attention = norm + tokens * (e * shape.saved + FP32 * fp32) / t
     mlp = norm + tokens * 4 * e * f / t
     return attention, mlp
 
@@ -118,12 +119,13 @@ def selective_layer_bytes(geo: Geometry) -> float:
     """Bytes a block keeps under ``trainer.parallel.activation``'s selective policy (matmul/SDPA outputs).
 
     The block input (eTd/t, sequence-sharded), the column-parallel matmul outputs wq, wk, wv, w1, w3
-    (e·(q + 2·d_kv + 2f)·T/t), SDPA's output and log-sum-exp (eTq/t + 4Ta/t), and the row-parallel
+    (e·(d + 2·d_kv + 2f)·T/t), SDPA's output and log-sum-exp (eTd/t + 4Ta/t), and the row-parallel
     outputs of wo and w2, which are full-size partial sums before their reduce-scatter (2eTd).
     """
     model, t, e = geo.model, geo.parallel.tp, geo.compute_bytes
-    d, kv, q = model.dim, model.n_kv_heads * model.head_dim, model.q_dim
-    sharded = e * (d + 2 * q + 2 * kv + 2 * active_ffn_dim(model)) + FP32 * model.n_heads
+    d, shape = model.dim, attention_shape(model)  # Llama: column-parallel outputs d + 2·d_kv, SDPA's d
+    columns = sum(out for out, _, row in shape.projections if not row)
+    sharded = e * (d + columns + shape.score_width + 2 * active_ffn_dim(model)) + FP32 * model.n_heads
     return geo.microbatch_tokens * (sharded / t + 2 * e * d)
 
 

@@ -43,7 +43,7 @@ def summary_rows(plan: Plan) -> list[tuple[str, str]]:
             f"{_gb(plan.hbm_bytes)} HBM)",
         ),
         ("tokens / step", f"{plan.tokens_per_step:,} (micro-batches per rank: {plan.microbatches})"),
-        ("FLOPs / token (6N + 12Lsd)", _flops(plan.flops_per_token)),
+        ("FLOPs / token (6N + attention)", _flops(plan.flops_per_token)),
         (
             "FLOPs / step (model; with recompute)",
             f"{_flops(plan.flops_per_step)}; {_flops(plan.hardware_flops_per_step)}",

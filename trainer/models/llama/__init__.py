@@ -71,6 +71,15 @@ HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
 
 
 def check(cfg: ModelConfig) -> None:
+    if cfg.mla is not None:
+        raise ValueError(
+            f"model.mla (multi-head latent attention) is DeepSeek's; preset {cfg.preset!r} is a Llama: "
+            "remove model.mla or pick a DeepSeek preset (tiny-deepseek, deepseek-custom, ...)"
+        )
+    if cfg.dim % cfg.n_heads and "head_dim" not in cfg.model_fields_set:
+        raise ValueError(
+            f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}, or set model.head_dim"
+        )
     if cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(
             f"model.n_heads={cfg.n_heads} must be a multiple of model.n_kv_heads={cfg.n_kv_heads}"

@@ -210,6 +210,24 @@ def check_convertible(cfg: ModelConfig) -> None:
             f"model.moe.shared_experts={cfg.moe.shared_experts}: Mixtral has no shared experts; "
             "only models with shared_experts: 0 convert to Hugging Face"
         )
+    if cfg.moe is not None:
+        mixtral = {
+            "score": "softmax",
+            "normalize_weights": True,
+            "routed_scale": 1.0,
+            "first_dense_layers": 0,
+        }
+        other = [
+            f"model.moe.{name}={getattr(cfg.moe, name)}"
+            for name, value in mixtral.items()
+            if getattr(cfg.moe, name) != value
+        ]
+        if other:
+            raise UserError(
+                f"{', '.join(other)}: Mixtral's router is softmax top-k renormalised, unscaled, in every MoE "
+                f"layer; set {', '.join(f'{name}: {value}' for name, value in mixtral.items())} to convert to "
+                "Hugging Face"
+            )
     features = [name for name in ("qkv_bias", "qk_norm") if getattr(cfg, name)]
     if features and (cfg.moe is not None or len(features) > 1):
         raise UserError(

@@ -205,7 +205,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.max_seq_len = max_seq_len
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -217,8 +217,20 @@ class Transformer(nn.Module):
         # dataset by whoever builds the model to train or evaluate it; None: each row is one document.
         self.eos_id: int | None = None
         # Non-persistent: derived from the config, so never checkpointed and rebuilt by init_weights.
-        rope = rope_table(cfg.head_dim, max_seq_len, cfg.rope_theta, scaling=cfg.rope_scaling)
-        self.register_buffer("rope", rope, persistent=False)
+        self.register_buffer("rope", self._rope_table(), persistent=False)
+
+    def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Block ``layer``; a family built on this decoder (DeepSeek) swaps in its own."""
+        return TransformerBlock(cfg, layer)
+
+    def rope_head_dim(self) -> int:
+        """Channels RoPE rotates per head: all of them here."""
+        return self.cfg.head_dim
+
+    def _rope_table(self, device: torch.device | None = None) -> Tensor:
+        return rope_table(
+            self.rope_head_dim(), self.max_seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling
+        )
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         """targets: next tokens [B, T]; given them, the head returns the mean token loss (fp32) without
@@ -250,15 +262,7 @@ class Transformer(nn.Module):
         generator seeded by its global offset, so replicas agree and the result depends only on
         (seed, layout, device type: see ``DEVICE_DRAWN``).
         """
-        self.rope.copy_(
-            rope_table(
-                self.cfg.head_dim,
-                self.max_seq_len,
-                self.cfg.rope_theta,
-                self.rope.device,
-                self.cfg.rope_scaling,
-            )
-        )
+        self.rope.copy_(self._rope_table(self.rope.device))
         # Every other buffer is running state that starts at zero (an MoE router's balancing bias and load).
         for name, buffer in self.named_buffers():
             if name != "rope":

@@ -22,6 +22,14 @@ def count_params(model: ModelConfig) -> ParamCounts:
     attention = d * model.n_heads * hd * 2 + d * model.n_kv_heads * hd * 2  # wq, wo; wk, wv
     # Added, not multiplied: biases (q, k, v outputs) and the q/k norms' gains.
     extras = (model.n_heads + 2 * model.n_kv_heads) * hd * model.qkv_bias + 2 * hd * model.qk_norm
+    return decoder_counts(model, attention=attention, attention_gains=extras)
+
+
+def decoder_counts(model: ModelConfig, attention: int, attention_gains: int = 0) -> ParamCounts:
+    """The decoder's counts given one block's attention weights (Llama: wq, wo; wk, wv) and what else
+    it holds that no token multiplies (biases, norm gains); a family built on this decoder (DeepSeek)
+    passes its own attention's."""
+    d = model.dim
     swiglu = 3 * d  # per unit of hidden width: w1, w3 (d→f) and w2 (f→d)
     # Per layer kind, not per layer: validation plans every spec, whatever its n_layers.
     moe_layers = model.moe_layer_count
@@ -38,7 +46,7 @@ def count_params(model: ModelConfig) -> ParamCounts:
     vocab = model.vocab_size * d
     return ParamCounts(
         embedding=vocab,
-        per_layer=attention + extras + 2 * d + ffn_total / model.n_layers,
+        per_layer=attention + attention_gains + 2 * d + ffn_total / model.n_layers,
         per_layer_matmul=attention + ffn_active / model.n_layers,
         n_layers=model.n_layers,
         final_norm=d,
