@@ -363,11 +363,6 @@ class ModelConfig(Strict):
             del data["head_dim"]
         return data
 
-    @property
-    def q_dim(self) -> int:
-        """Width of all query heads together (dim, unless head_dim is set apart from it)."""
-        return self.n_heads * self.head_dim
-
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe is None or layer < self.moe.first_dense_layers:
             return False
