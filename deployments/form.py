@@ -55,23 +55,24 @@ def chip_rules() -> list[dict[str, Any]]:
 
 
 def layout_rules() -> list[dict[str, Any]]:
-    """For a preset's own shape: tp divides its query and key/value heads, pp its layers."""
+    """For a preset's own shape: tp divides its query and key/value heads, pp its layers. Not for a
+    model.from_hf spec: its shape is in a file the schema cannot read (the spec's validation checks it)."""
     rules = []
     for preset in preset_names():
         shape = preset_shape(preset)
         if not shape:  # custom: the spec gives every dimension
             continue
-        is_preset = {"const": preset}
+        is_preset, unset = {"const": preset}, {"type": "null"}
         heads = gcd(int(shape["n_heads"]), int(shape["n_kv_heads"]))
         rules.append(
             {
-                "if": _when("model", preset=is_preset, n_heads={"type": "null"}, n_kv_heads={"type": "null"}),
+                "if": _when("model", preset=is_preset, from_hf=unset, n_heads=unset, n_kv_heads=unset),
                 "then": _then("parallel", "tp", divisors(heads)),
             }
         )
         rules.append(
             {
-                "if": _when("model", preset=is_preset, n_layers={"type": "null"}),
+                "if": _when("model", preset=is_preset, from_hf=unset, n_layers=unset),
                 "then": _then("parallel", "pp", divisors(int(shape["n_layers"]))),
             }
         )

@@ -29,7 +29,7 @@ from typing import Any
 from deployments.spec import SpecError, TrainingSpec
 from trainer import storage
 from trainer.checkpoint.lease import Lease, launcher_env
-from trainer.config import JobConfig
+from trainer.config import LATER_MODEL_DEFAULTS, JobConfig
 from trainer.failures import UserError
 from trainer.job import resolve_job
 from trainer.plan import Plan, plan_for_job
@@ -124,6 +124,10 @@ def _covered(path: str, prefixes: tuple[str, ...] | list[str]) -> bool:
 def training_changes(earlier: dict[str, Any], spec: TrainingSpec) -> list[str]:
     """``field: old → new`` for each field that differs and could change the loss curve."""
     old, new = leaves(earlier), leaves(spec.model_dump(mode="json"))
+    # A run recorded before a model field existed trained with its default (which changes nothing).
+    for name, default in LATER_MODEL_DEFAULTS.items():
+        if not any(path == f"model.{name}" or path.startswith(f"model.{name}.") for path in old):
+            old[f"model.{name}"] = default
     allowed = (*TRAINING_NEUTRAL, *spec.allow_changes)
     return [
         f"{path}: {old.get(path)!r} → {new.get(path)!r}"

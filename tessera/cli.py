@@ -65,8 +65,13 @@ def validate(spec: SpecPath) -> None:
     Example: tessera validate deployments/specs/local-cpu.yaml
     """
     loaded = load_spec(spec)
+    model = (
+        loaded.model.preset
+        if loaded.model.from_hf is None
+        else f"{loaded.model.from_hf} ({loaded.model.preset})"
+    )
     typer.echo(
-        f"ok: {loaded.name}: {loaded.model.preset} on {loaded.cluster.nodes}×{loaded.cluster.chips_per_node} "
+        f"ok: {loaded.name}: {model} on {loaded.cluster.nodes}×{loaded.cluster.chips_per_node} "
         f"{loaded.cluster.chip} (dp_replicate={loaded.parallel.dp_replicate} dp_shard={loaded.parallel.dp_shard} "
         f"cp={loaded.parallel.cp} tp={loaded.parallel.tp} pp={loaded.parallel.pp}), pool {loaded.cluster.pool}"
     )
@@ -439,7 +444,7 @@ def export_checkpoint(
     ] = None,
     dtype: Annotated[str, typer.Option(help="bf16 (what the Hub ships) or fp32 (exact).")] = "bf16",
 ) -> None:
-    """Export a checkpoint's weights as Hugging Face Llama (MoE: Mixtral) safetensors + config.json.
+    """Export a checkpoint's weights as Hugging Face Llama (MoE: Mixtral; Qwen2, Qwen3) safetensors + config.json.
 
     Example: tessera export runs/<run>/checkpoints build/hf
     """
@@ -469,7 +474,8 @@ def import_checkpoint(
     checkpoint_url: Annotated[str, typer.Argument(help="Where to write it (its step-000000 directory).")],
     spec: ModelSpec,
 ) -> None:
-    """Import Hugging Face Llama or Mixtral safetensors as a tessera checkpoint (weights only) for the spec's model.
+    """Import Hugging Face Llama, Mistral, Mixtral, Qwen2 or Qwen3 safetensors as a tessera checkpoint (weights
+    only) for the spec's model (model.from_hf: the HF directory's config.json builds it); training starts from it.
 
     Example: tessera import build/hf runs/imported/checkpoints --spec deployments/specs/local-cpu.yaml
     """

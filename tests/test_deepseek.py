@@ -15,7 +15,15 @@ import yaml
 from pydantic import ValidationError
 
 from tests.test_plan import _saved_activation_bytes
-from trainer.config import LATER_MOE_DEFAULTS, JobConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from trainer.config import (
+    LATER_MODEL_DEFAULTS,
+    LATER_MOE_DEFAULTS,
+    JobConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from trainer.models import family_of, param_count
 from trainer.models.deepseek import DEEPSEEK
 from trainer.models.deepseek.model import DeepSeekBlock, LatentAttention
@@ -178,7 +186,7 @@ def test_tiny_preset_counts_and_llama_fingerprints_stay() -> None:
     # Llama MoE presets hash as before the MoE options existed (their defaults are left out).
     job = JobConfig(model={"preset": "tiny-moe"})
     shape = job.model.model_dump()
-    for name in ("attention", "rope_positions", "mla"):
+    for name in LATER_MODEL_DEFAULTS:  # attention, rope_positions, mla, qkv_bias, qk_norm, rope_scaling
         del shape[name]
     for name in LATER_MOE_DEFAULTS:
         del shape["moe"][name]

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from torch.nn.attention.flex_attention import flex_attention
 
 from trainer.backends.chips import get_chip
-from trainer.config import JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from trainer.config import LATER_MODEL_DEFAULTS, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from trainer.models.documents import document_attention, document_block_mask, find_documents
 from trainer.models.llama.model import Transformer
 from trainer.plan.compute import block_attention_seconds
@@ -175,9 +175,7 @@ def test_context_and_pipeline_parallelism_are_refused_naming_the_fix(parallel: d
 
 def test_the_fingerprint_of_a_causal_model_is_the_one_its_checkpoints_carry() -> None:
     causal = JobConfig()
-    before_the_fields = {
-        k: v for k, v in causal.model.model_dump().items() if k not in ("attention", "rope_positions", "mla")
-    }
+    before_the_fields = {k: v for k, v in causal.model.model_dump().items() if k not in LATER_MODEL_DEFAULTS}
     legacy = hashlib.sha256(json.dumps(before_the_fields, sort_keys=True).encode()).hexdigest()[:16]
     assert causal.model_fingerprint() == legacy
     assert JobConfig(model={"attention": "document"}).model_fingerprint() != legacy

@@ -231,6 +231,26 @@ def test_a_spec_validate_refuses_is_refused_at_submission_or_fails_its_run_in_on
     assert not (tmp_path / "data").exists() and not list(deployed[1].glob("e2e-door-*"))
 
 
+def test_a_from_hf_path_resolves_in_the_flow_run_a_worker_starts(
+    client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
+) -> None:
+    """model.from_hf is relative to the working directory: the flow run the worker starts runs in the
+    checkout (prefect deploy's pull step), so the shipped config.json resolves there. Refused only
+    once the file is read (its Qwen3 q/k norms under tp=2), so nothing trains and the refusal proves it."""
+    spec = tiny_spec_dict(tmp_path, "e2e-from-hf", parallel={"dp_shard": 1, "tp": 2})
+    spec["model"] = {"from_hf": "deployments/specs/hf/qwen3-tiny/config.json"}
+    pipeline = deployment_id(client, "train-pipeline/local-cpu-from-hf")
+    run = client.create_flow_run_from_deployment(pipeline, parameters={"spec": spec})
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (run := client.read_flow_run(run.id)).state.is_final():
+        assert time.monotonic() < deadline, f"flow run still {run.state.name}"
+        time.sleep(1)
+    assert (
+        run.state.is_failed() and "model.qk_norm with parallel.tp=2 is not supported" in run.state.message
+    ), run.state.message
+    assert not list(deployed[1].glob("e2e-from-hf-*"))
+
+
 def test_pipeline_deployment_run_trains_validates_and_evaluates(
     client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
 ) -> None:

@@ -14,7 +14,16 @@ import posixpath
 from typing import Annotated, Any, Literal
 
 import fsspec
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from trainer.hub import HUB_URL_PREFIXES
 from trainer.layout_checks import layout_errors, muon_errors
@@ -163,6 +172,31 @@ class MoEConfig(Strict):
         return self
 
 
+class RopeScaling(Strict):
+    """Llama 3.1's RoPE scaling (``rope_type: llama3`` in a Hugging Face config.json): frequencies whose
+    wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by factor, those
+    under original_max_position_embeddings / high_freq_factor are kept, and the band between is
+    interpolated smoothly, so a model trained at the original context reads longer ones."""
+
+    factor: float = Field(ge=1, le=1e6, description="How much the low frequencies are slowed (Llama 3.1: 8).")
+    low_freq_factor: float = Field(
+        gt=0, le=1e6, description="Wavelengths above original/this are scaled (1)."
+    )
+    high_freq_factor: float = Field(gt=0, le=1e6, description="Wavelengths below original/this are kept (4).")
+    original_max_position_embeddings: PositiveInt = Field(
+        description="The context length the model was first trained at (Llama 3.1: 8192)."
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed low_freq_factor="
+                f"{self.low_freq_factor} (Llama 3.1: 4 and 1)"
+            )
+        return self
+
+
 def _preset_enum(schema: dict[str, Any]) -> None:
     """The run form's preset menu: every registered family's presets (read when the schema is built)."""
     from trainer.models import preset_names
@@ -195,8 +229,24 @@ class MLAConfig(Strict):
 
 class ModelConfig(Strict):
     """A decoder: a preset of a registered model family (``trainer/models/``), optionally with any
-    dimension overridden. The preset names the family; ``custom`` is a Llama of the given dimensions."""
+    dimension overridden. The preset names the family; ``custom`` is a Llama of the given dimensions.
 
+    Or ``from_hf``: a Hugging Face config.json, read once here (``trainer/models/from_hf.py``), whose
+    model_type picks the family and fills the preset and every dimension; fields the spec also sets
+    override the file's (as they override a preset's; ``moe`` key by key), and ``preset`` may not be
+    set beside it. The validated config keeps from_hf for display only: dumps (run records, job files,
+    fingerprints) leave it out and carry the resolved fields, so nothing reads the file again.
+    """
+
+    from_hf: str | None = Field(
+        None,
+        exclude=True,
+        pattern=NO_CONTROL_CHARACTERS,
+        description="A Hugging Face config.json (or its directory): local path relative to the working "
+        "directory, gs:// or s3://, never the Hub. Builds its model_type's family (llama, mistral, mixtral, "
+        "qwen2, qwen3, deepseek_v3, deepseek_v2) with its dimensions; other model fields set here override the file's. Leave preset "
+        "unset.",
+    )
     preset: str = Field(
         "tiny",
         description="Architecture preset; 'custom' requires every dimension.",
@@ -211,8 +261,19 @@ class ModelConfig(Strict):
         None, description="Vocabulary size; the tokenizer is trained to it."
     )
     rope_theta: float | None = Field(None, gt=0, description="RoPE base frequency (default: from preset).")
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Llama 3.1-style RoPE scaling (Hugging Face's rope_type llama3); empty: plain RoPE."
+    )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(False, description="Share input embedding and output projection weights.")
+    head_dim: PositiveInt | None = Field(
+        None,
+        description="Width of one attention head (default: dim / n_heads); Qwen3's differs from it.",
+    )
+    qkv_bias: bool = Field(False, description="Biases on the query, key and value projections (Qwen2).")
+    qk_norm: bool = Field(
+        False, description="RMSNorm over each query and key head before RoPE (Qwen3); gains of head_dim."
+    )
     moe: MoEConfig | None = Field(None, description="Mixture-of-experts layers (default: from preset; none).")
     mla: MLAConfig | None = Field(
         None, description="Multi-head latent attention: DeepSeek family only (default: from preset)."
@@ -228,6 +289,24 @@ class ModelConfig(Strict):
         description="RoPE positions count from the sample's start (sequence) or restart at 0 with each "
         "document (document, as if it were alone; needs attention=document).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_from_hf(cls, data: Any) -> Any:
+        """from_hf: the file's fields, then the spec's own on top (the file is read here, once)."""
+        if not isinstance(data, dict) or data.get("from_hf") is None:
+            return data
+        if "preset" in data:
+            raise ValueError(
+                f"model.preset={data['preset']!r} and model.from_hf both set: the config.json's model_type "
+                "picks the family; remove preset (set dimensions to override the file's)"
+            )
+        from trainer.models.from_hf import model_fields
+
+        fields = model_fields(data["from_hf"])
+        if isinstance(data.get("moe"), dict) and isinstance(fields.get("moe"), dict):
+            data = {**data, "moe": {**fields["moe"], **data["moe"]}}
+        return {**fields, **data}
 
     @field_validator("preset")
     @classmethod
@@ -263,6 +342,8 @@ class ModelConfig(Strict):
             raise ValueError(
                 f"model.preset={self.preset} needs model.{', model.'.join(missing)}; set them or pick a preset"
             )
+        if self.head_dim is None:  # derived (a family may require dim to divide evenly: Llama does)
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         family_of(self).check(self)
         if self.rope_positions == "document" and self.attention != "document":
             raise ValueError(
@@ -271,9 +352,16 @@ class ModelConfig(Strict):
             )
         return self
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    @model_serializer(mode="wrap")
+    def _derived_head_dim_left_out(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A head_dim of dim / n_heads is derived, not chosen: left out of dumps, so records and
+        fingerprints of models that never set it stay as they were, and a dump whose dim is edited
+        derives it again."""
+        data = handler(self)
+        derived = self.dim and self.n_heads and not self.dim % self.n_heads and self.dim // self.n_heads
+        if derived and data.get("head_dim") == derived:
+            del data["head_dim"]
+        return data
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe is None or layer < self.moe.first_dense_layers:
@@ -656,7 +744,14 @@ class DataConfig(CorpusConfig):
 
 
 # ModelConfig fields newer than the first checkpoints, with the defaults that leave fingerprints unchanged.
-LATER_MODEL_DEFAULTS = {"attention": "causal", "rope_positions": "sequence", "mla": None}
+LATER_MODEL_DEFAULTS = {
+    "attention": "causal",
+    "rope_positions": "sequence",
+    "mla": None,
+    "qkv_bias": False,
+    "qk_norm": False,
+    "rope_scaling": None,
+}
 LATER_MOE_DEFAULTS = {
     "first_dense_layers": 0,
     "score": "softmax",

@@ -50,6 +50,7 @@ def layout_errors(
     errors += context_parallel_errors(model, parallel, train)
     errors += float8_errors(parallel, hw)
     errors += document_attention_errors(model, parallel)
+    errors += qwen_attention_errors(model, parallel)
     errors += family_layout_errors(model, parallel)
     if model.tie_embeddings and parallel.pp > 1:
         # The embedding sits on the first stage and the output head on the last: they cannot share a tensor.
@@ -107,6 +108,18 @@ def pipeline_schedule_errors(parallel: ParallelConfig, train: TrainConfig) -> li
             "train.micro_batch_size"
         )
     return errors
+
+
+def qwen_attention_errors(model: ModelConfig, parallel: ParallelConfig) -> list[str]:
+    """qkv_bias and qk_norm (Qwen2/Qwen3) are not in the tensor-parallel plan: a q/k norm's gains would
+    sit outside the tp mesh, and neither has a parity test under tp; refused rather than trained wrong."""
+    used = [name for name in ("qkv_bias", "qk_norm") if getattr(model, name)]
+    if parallel.tp == 1 or not used:
+        return []
+    return [
+        f"model.{' and model.'.join(used)} with parallel.tp={parallel.tp} is not supported; set parallel.tp=1 "
+        "(use dp_shard, cp or pp to split the model instead)"
+    ]
 
 
 def float8_errors(parallel: ParallelConfig, hw: HardwareConfig) -> list[str]:

@@ -35,6 +35,10 @@ class FileDigest:
     size: int
 
 
+# The meta key of a checkpoint written by an import (trainer/checkpoint/hf.py): where its weights came from.
+IMPORTED_FROM = "imported_from"
+
+
 @dataclass
 class CommitRecord:
     """What was saved, by whom, and whether it is trustworthy; ``url`` is where it was read from."""
@@ -55,6 +59,11 @@ class CommitRecord:
     @property
     def good(self) -> bool:
         return self.status in GOOD_STATUSES
+
+    @property
+    def weights_only(self) -> bool:
+        """An import (``tessera import``): the model's weights alone, no optimizer, RNG or loader state."""
+        return IMPORTED_FROM in self.meta
 
     def to_json(self) -> bytes:
         body = dataclasses.asdict(self)

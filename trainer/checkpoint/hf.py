@@ -6,7 +6,8 @@ evaluation does), renames them to transformers' ``LlamaForCausalLM`` names, and 
 default shard size), ``model.safetensors.index.json``, and a ``config.json`` in HF's Llama format, so
 ``LlamaForCausalLM.from_pretrained(OUT_DIR)`` loads it. ``import_hf`` reads such a directory with
 ``HuggingFaceStorageReader`` and writes a committed tessera checkpoint (weights only, step 0), which
-``tessera evaluate``/validation load and which DCP reshards onto any layout.
+``tessera evaluate``/validation load, which DCP reshards onto any layout, and which a run whose
+checkpoint location holds it trains from (its record's ``imported_from`` marks it weights-only).
 
 The names, layouts and ``config.json`` are the model family's (``ModelFamily.hf``; Llama's in
 ``trainer/models/llama/hf.py``).
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainer import storage
 from trainer.checkpoint import store
 from trainer.checkpoint.commit import (
+    IMPORTED_FROM,
     CommitRecord,
     digest_files,
     list_checkpoints,
@@ -157,7 +159,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
         world_size=1,
         layout=job.parallel.model_dump(),
         files=digest_files(step_url),
-        meta={"imported_from": str(source)},
+        meta={IMPORTED_FROM: str(source)},
     )
     write_commit(step_url, record)
     return step_url

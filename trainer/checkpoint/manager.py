@@ -28,6 +28,7 @@ from trainer import storage
 from trainer.checkpoint import store
 from trainer.checkpoint.commit import (
     COMMIT_FILE,
+    IMPORTED_FROM,
     CommitRecord,
     check_model,
     checkpoint_files,
@@ -41,7 +42,7 @@ from trainer.checkpoint.commit import (
 from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
 from trainer.checkpoint.lease import check_launcher
 from trainer.checkpoint.pins import pinned_steps
-from trainer.checkpoint.state import ModelOptimizerState, RNGState
+from trainer.checkpoint.state import APP_KEY, ModelOptimizerState, RNGState
 from trainer.config import CheckpointConfig
 from trainer.failures import is_infra_error
 from trainer.rank.fault_injection import FaultInjector
@@ -137,7 +138,12 @@ class CheckpointManager:
     def load(self, record: CommitRecord, state: dict[str, Stateful]) -> None:
         """Load ``record``'s checkpoint into ``state`` in place, resharding to this job's layout."""
         check_model(record, self.model_fingerprint)
-        if record.world_size != self.world_size:
+        if record.weights_only:
+            # An import: training starts from its weights at its step, with a fresh optimizer, RNG and data
+            # order, as a new run would (there is nothing else in it to restore).
+            state = {APP_KEY: state[APP_KEY].weights()}  # type: ignore[attr-defined]
+            log.info("starting from the weights imported from %s", record.meta[IMPORTED_FROM])
+        elif record.world_size != self.world_size:
             skipped = [key for key, value in state.items() if isinstance(value, RNGState)]
             state = {key: value for key, value in state.items() if key not in skipped}
             log.warning(

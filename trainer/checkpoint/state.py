@@ -57,6 +57,28 @@ class ModelOptimizerState(Stateful):
             set_model_state_dict(part, state_dict["model"], options=options)
             set_optimizer_state_dict(part, optimizer, state_dict["optim"], options=options)
 
+    def weights(self) -> ModelWeights:
+        """The model parts alone: what a weights-only checkpoint (an import) restores into."""
+        return ModelWeights(self.parts)
+
+
+class ModelWeights(Stateful):
+    """Model parts' weights under ModelOptimizerState's "model" key, without their optimizers."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        model: dict[str, Any] = {}
+        for part in self.parts:
+            model.update(get_model_state_dict(part, options=_OPTIONS))
+        return {"model": model}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        options = StateDictOptions(strict=False)  # each part takes its own stage's parameters
+        for part in self.parts:
+            set_model_state_dict(part, state_dict["model"], options=options)
+
 
 class RNGState(Stateful):
     """This rank's torch (CPU and current accelerator) and Python RNG states.

@@ -3,7 +3,10 @@
 Core code never imports a family: the trainer builds and parallelizes through :func:`family_of`, the
 planner counts parameters through it, and checkpoint export maps names through it. A spec names a
 family by its preset (``model.preset``; ``custom`` is Llama's), so specs, job JSON and checkpoint
-fingerprints carry no family field of their own. As in torchtitan (``protocols/train_spec.py`` and
+fingerprints carry no family field of their own. A spec's ``model.from_hf`` (a Hugging Face config.json)
+names it through the file's ``model_type``: each family lists the types it builds (``hf_model_types``)
+and its HF mapping's ``model_fields`` turns such a file into a preset of the family and its dimensions
+(``from_hf.py``). As in torchtitan (``protocols/train_spec.py`` and
 ``models/<family>/``), a new architecture is a new folder and one ``register`` call.
 """
 
@@ -78,6 +81,12 @@ class HFMapping(Protocol):
     def check_hf_config(self, config: dict[str, Any], cfg: ModelConfig) -> None:
         """Raise a UserError naming each field where an HF ``config.json`` differs from the spec."""
 
+    def model_fields(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The ModelConfig fields (``preset`` naming a preset of this family, and every dimension) of the
+        model an HF ``config.json`` describes, for ``model.from_hf``; a ValueError naming the config key
+        and the fix for anything the family would build differently (refused, never approximated).
+        Runs at spec validation: keep torch out of it."""
+
 
 @dataclass(frozen=True)
 class ModelFamily:
@@ -99,23 +108,34 @@ class ModelFamily:
     build: Callable[[ModelConfig, int], nn.Module]  # (cfg, max_seq_len)
     count_params: Callable[[ModelConfig], ParamCounts]  # exact, from the config alone (the planner's N)
     parallelize: Callable[[nn.Module, DeviceMesh, ParallelConfig], nn.Module]
-    # Loads the family's Hugging Face mapping (on use: it imports torch); None: no HF format.
+    # Loads the family's Hugging Face mapping (on use); None: no HF format.
     hf: Callable[[], HFMapping] | None = None
+    # The config.json ``model_type`` values ``model.from_hf`` builds this family from (its mapping's
+    # ``model_fields`` reads them); each type belongs to one family.
+    hf_model_types: tuple[str, ...] = ()
     # Layouts the family refuses (e.g. no TP plan): one error per field, naming it and the fix.
     check_layout: Callable[[ModelConfig, ParallelConfig], list[str]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
 _PRESET_FAMILY: dict[str, str] = {CUSTOM_PRESET: CUSTOM_FAMILY}
+_HF_TYPE_FAMILY: dict[str, str] = {}
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    """Add family; its preset names become valid ``model.preset`` values. Names are unique."""
+    """Add family; its preset names become valid ``model.preset`` values, its HF model types valid
+    ``model.from_hf`` configs. Names, presets and model types are unique."""
     taken = [name for name in family.presets if name in _PRESET_FAMILY]
+    taken += [name for name in family.hf_model_types if name in _HF_TYPE_FAMILY]
     if family.name in _FAMILIES or taken:
-        raise ValueError(f"model family {family.name!r} or its presets {taken} are already registered")
+        raise ValueError(
+            f"model family {family.name!r} or its presets/HF model types {taken} are already registered"
+        )
+    if family.hf_model_types and family.hf is None:
+        raise ValueError(f"model family {family.name!r} names HF model types but has no HF mapping (hf)")
     _FAMILIES[family.name] = family
     _PRESET_FAMILY.update(dict.fromkeys(family.presets, family.name))
+    _HF_TYPE_FAMILY.update(dict.fromkeys(family.hf_model_types, family.name))
     return family
 
 
@@ -137,6 +157,17 @@ def preset_family(preset: str) -> ModelFamily:
 def preset_shape(preset: str) -> Mapping[str, Any]:
     """The fields a preset fills (none for ``custom``)."""
     return {} if preset == CUSTOM_PRESET else preset_family(preset).presets[preset]
+
+
+def hf_model_types() -> list[str]:
+    """Every config.json ``model_type`` some family builds (``model.from_hf``)."""
+    return list(_HF_TYPE_FAMILY)
+
+
+def hf_type_family(model_type: str) -> ModelFamily | None:
+    """The family that builds HF models of ``model_type``; None if none does."""
+    name = _HF_TYPE_FAMILY.get(model_type)
+    return None if name is None else get(name)
 
 
 def family_of(cfg: ModelConfig) -> ModelFamily:

@@ -347,7 +347,7 @@ def _block_input(
     block = TransformerBlock(cfg).to(probe.device, probe.dtype)
     # a block's input needs its gradient too
     x = torch.randn(batch, seq, cfg.dim, device=probe.device, dtype=probe.dtype, requires_grad=True)
-    return block, x, rope_table(cfg.head_dim, seq, cfg.rope_theta).to(probe.device)
+    return block, x, rope_table(cfg.head_dim, seq, cfg.rope_theta, scaling=cfg.rope_scaling).to(probe.device)
 
 
 def block_figures(hw: HardwareProfile, probe: Probe) -> dict[str, float]:
@@ -459,7 +459,7 @@ def _fsdp_round_trips() -> list[dict[str, float]]:
     for preset in FSDP_UNITS:
         cfg = ModelConfig(preset=preset)
         plain, sharded = BlockStack(cfg, FSDP_STACK), shard_stack(BlockStack(cfg, FSDP_STACK))
-        rope = rope_table(cfg.head_dim, FSDP_SEQ, cfg.rope_theta)
+        rope = rope_table(cfg.head_dim, FSDP_SEQ, cfg.rope_theta, scaling=cfg.rope_scaling)
         x = torch.randn(FSDP_BATCH, FSDP_SEQ, cfg.dim)
         extra = _wall_extra_seconds((sharded, x), (plain, x), rope)
         rows.append(

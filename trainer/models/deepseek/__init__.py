@@ -132,6 +132,14 @@ def check(cfg: ModelConfig) -> None:
         )
     if cfg.mla.qk_rope_head_dim % 2:
         raise ValueError(f"model.mla.qk_rope_head_dim={cfg.mla.qk_rope_head_dim} must be even for RoPE")
+    llama_only = [name for name in ("qkv_bias", "qk_norm", "rope_scaling") if getattr(cfg, name)]
+    if "head_dim" in cfg.model_fields_set:
+        llama_only.append("head_dim")
+    if llama_only:
+        raise ValueError(
+            f"model.{', model.'.join(llama_only)}: options of the Llama family's attention, which MLA does not "
+            "have (its widths are model.mla's); remove them"
+        )
 
 
 def check_layout(cfg: ModelConfig, parallel: ParallelConfig) -> list[str]:
@@ -181,5 +189,6 @@ DEEPSEEK = register(
         parallelize=parallelize_model,
         hf=load_hf,
         check_layout=check_layout,
+        hf_model_types=("deepseek_v3", "deepseek_v2"),  # hf.py's MODEL_TYPES (it imports torch)
     )
 )

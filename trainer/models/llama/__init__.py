@@ -66,20 +66,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# config.json model types ``model.from_hf`` builds as Llama (``hf_config.py`` maps and refuses their keys).
+HF_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+
+
 def check(cfg: ModelConfig) -> None:
     if cfg.mla is not None:
         raise ValueError(
             f"model.mla (multi-head latent attention) is DeepSeek's; preset {cfg.preset!r} is a Llama: "
             "remove model.mla or pick a DeepSeek preset (tiny-deepseek, deepseek-custom, ...)"
         )
-    if cfg.dim % cfg.n_heads:
-        raise ValueError(f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}")
+    if cfg.dim % cfg.n_heads and "head_dim" not in cfg.model_fields_set:
+        raise ValueError(
+            f"model.dim={cfg.dim} must be divisible by model.n_heads={cfg.n_heads}, or set model.head_dim"
+        )
     if cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(
             f"model.n_heads={cfg.n_heads} must be a multiple of model.n_kv_heads={cfg.n_kv_heads}"
         )
     if cfg.head_dim % 2:
-        raise ValueError(f"head dim model.dim/model.n_heads={cfg.head_dim} must be even for RoPE")
+        raise ValueError(f"head dim (model.head_dim, or dim/n_heads)={cfg.head_dim} must be even for RoPE")
 
 
 def build_model(cfg: ModelConfig, max_seq_len: int) -> nn.Module:
@@ -109,5 +115,6 @@ LLAMA = register(
         count_params=count_params,
         parallelize=parallelize_model,
         hf=load_hf,
+        hf_model_types=HF_MODEL_TYPES,
     )
 )

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RopeScaling
 from trainer.models.documents import Documents, document_attention, find_documents
 from trainer.models.moe import MoE
 from trainer.rank.loss import linear_cross_entropy, token_loss
@@ -41,14 +41,38 @@ DEVICE_DRAWN = ("cuda",)
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> Tensor:
-    """cos/sin of every (position, frequency) pair: [max_seq_len, head_dim // 2, 2], fp32.
+def rope_table(
+    head_dim: int,
+    max_seq_len: int,
+    theta: float,
+    device: torch.device | None = None,
+    scaling: RopeScaling | None = None,
+) -> Tensor:
+    """cos/sin of every (position, frequency) pair: [max_seq_len, head_dim // 2, 2], fp32, with the
+    frequencies scaled as Llama 3.1's when ``scaling`` (``model.rope_scaling``) is given.
 
     Real-valued rather than complex so it works on every backend (XLA and Neuron lack complex ops).
     """
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling is not None:
+        freqs = llama3_frequencies(freqs, scaling)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def llama3_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3.1's scaled RoPE frequencies (Meta's ``apply_scaling``; HF's ``_compute_llama3_parameters``):
+    long wavelengths slowed by factor, short ones kept, the band between interpolated."""
+    original, low, high = (
+        scaling.original_max_position_embeddings,
+        scaling.low_freq_factor,
+        scaling.high_freq_factor,
+    )
+    wavelength = 2 * math.pi / freqs
+    slowed = torch.where(wavelength > original / low, freqs / scaling.factor, freqs)
+    smooth = (original / wavelength - low) / (high - low)
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, (1 - smooth) * slowed / scaling.factor + smooth * slowed, slowed)
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
@@ -105,15 +129,19 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     """Causal grouped-query attention, within each document when given the micro-batch's documents;
-    n_heads / n_kv_heads query heads share each key/value head."""
+    n_heads / n_kv_heads query heads share each key/value head. ``model.qkv_bias`` adds biases to the
+    q, k and v projections (Qwen2); ``model.qk_norm`` RMS-normalizes each query and key head before
+    RoPE, with gains over head_dim shared by the heads (Qwen3)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         # Pluggable so context parallelism can swap in ring attention over its sequence chunks.
         self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
@@ -123,6 +151,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = self.attend(q, k, v) if docs is None else document_attention(q, k, v, docs)
@@ -198,7 +228,9 @@ class Transformer(nn.Module):
         return self.cfg.head_dim
 
     def _rope_table(self, device: torch.device | None = None) -> Tensor:
-        return rope_table(self.rope_head_dim(), self.max_seq_len, self.cfg.rope_theta, device)
+        return rope_table(
+            self.rope_head_dim(), self.max_seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling
+        )
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
         """targets: next tokens [B, T]; given them, the head returns the mean token loss (fp32) without
@@ -240,13 +272,17 @@ class Transformer(nn.Module):
             std = self._init_std(name)
             if std is None:
                 param.fill_(1.0)
+            elif std == 0:
+                param.zero_()
             else:
                 _fill_normal(param, std, seed, name)
 
     def _init_std(self, name: str) -> float | None:
-        """Init rule by parameter name: None means ones (norm gains)."""
+        """Init rule by parameter name: None means ones (norm gains), 0 zeros (biases)."""
         if name.endswith("norm.weight"):
             return None
+        if name.endswith(".bias"):
+            return 0.0
         if name == "tok_embeddings.weight":
             # Untied: unit-variance embeddings (the first RMSNorm rescales anyway). Tied: the same matrix
             # also produces logits, so use the output projection's fan-in scale.

@@ -1,6 +1,7 @@
 """Exact parameter counts of Llama (``model.py``), from the model config alone (no torch).
 
-Bias-free projections, two RMSNorm gains per block, a final norm, an input embedding and an output
+Bias-free projections (but for q/k/v biases with ``qkv_bias``), two RMSNorm gains per block (and
+q/k norm gains of head_dim with ``qk_norm``), a final norm, an input embedding and an output
 projection (one matrix when ``tie_embeddings``). An MoE layer's FFN is a router (d·E) plus E routed
 and S shared SwiGLU experts; a token uses only top_k of the routed ones, so FLOPs count *active*
 parameters (Mixtral 8×7B: 46.7B in all, 12.9B active).
@@ -18,12 +19,16 @@ if TYPE_CHECKING:
 
 def count_params(model: ModelConfig) -> ParamCounts:
     d, hd = model.dim, model.head_dim
-    return decoder_counts(model, attention=d * model.n_heads * hd * 2 + d * model.n_kv_heads * hd * 2)
+    attention = d * model.n_heads * hd * 2 + d * model.n_kv_heads * hd * 2  # wq, wo; wk, wv
+    # Added, not multiplied: biases (q, k, v outputs) and the q/k norms' gains.
+    extras = (model.n_heads + 2 * model.n_kv_heads) * hd * model.qkv_bias + 2 * hd * model.qk_norm
+    return decoder_counts(model, attention=attention, attention_gains=extras)
 
 
 def decoder_counts(model: ModelConfig, attention: int, attention_gains: int = 0) -> ParamCounts:
-    """The decoder's counts given one block's attention weights (Llama: wq, wo; wk, wv) and any norm
-    gains inside it; a family built on this decoder (DeepSeek) passes its own attention's."""
+    """The decoder's counts given one block's attention weights (Llama: wq, wo; wk, wv) and what else
+    it holds that no token multiplies (biases, norm gains); a family built on this decoder (DeepSeek)
+    passes its own attention's."""
     d = model.dim
     swiglu = 3 * d  # per unit of hidden width: w1, w3 (d→f) and w2 (f→d)
     # Per layer kind, not per layer: validation plans every spec, whatever its n_layers.
