@@ -178,11 +178,17 @@ def test_a_missing_unreadable_or_malformed_file_names_the_field_and_the_fix(tmp_
     assert ModelConfig(from_hf=str(tmp_path / "dir")).qkv_bias
 
 
-def test_resolving_a_config_imports_no_torch() -> None:
-    """Spec validation stays torch-free (the form and `tessera validate` start in well under a second)."""
+def test_resolving_a_config_imports_no_torch(tmp_path: Path) -> None:
+    """Spec validation stays torch-free (the form and `tessera validate` start in well under a second),
+    for each family's config.json."""
+    from tests.test_hf_checkpoint import RELEASED_V2_LITE
+
+    deepseek = tmp_path / "config.json"
+    deepseek.write_text(json.dumps(RELEASED_V2_LITE))
     code = (
         "import sys; from trainer.config import ModelConfig; "
-        f"ModelConfig(from_hf={fixture('qwen3')!r}); print('torch' in sys.modules)"
+        f"[ModelConfig(from_hf=path) for path in ({fixture('qwen3')!r}, {str(deepseek)!r})]; "
+        "print('torch' in sys.modules)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"

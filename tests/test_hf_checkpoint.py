@@ -603,8 +603,8 @@ RELEASED_V2_LITE = {
     [(RELEASED_V3, "deepseek-v3"), (RELEASED_V2_LITE, "deepseek-v2-lite")],
     ids=["v3", "v2_lite"],
 )
-def test_model_fields_of_a_released_config_are_the_preset(config: dict, preset: str) -> None:
-    fields = ModelConfig(**deepseek_hf.model_fields(config)).model_dump()
+def test_the_architecture_of_a_released_config_is_the_preset(config: dict, preset: str) -> None:
+    fields = ModelConfig(**deepseek_hf.architecture(config)).model_dump()
     ours = ModelConfig(preset=preset).model_dump()
     assert fields["preset"] == "deepseek-custom"
     assert {k: v for k, v in fields.items() if k not in ("preset", "moe")} == {
@@ -644,3 +644,19 @@ def test_deepseek_conversion_refuses_what_transformers_would_compute_differently
         UserError, match="model_type 'llama'; the DeepSeek family reads deepseek_v3, deepseek_v2"
     ):
         deepseek_hf.model_fields({"model_type": "llama"})
+
+
+def test_model_fields_refuse_what_the_released_v3_computes_and_tessera_does_not() -> None:
+    """model.from_hf builds the model the file describes or refuses: the released V3's YaRN scaling and
+    group-limited routing are named, with the preset that is the architecture without them."""
+    with pytest.raises(UserError) as refused:
+        deepseek_hf.model_fields(RELEASED_V3)
+    message = str(refused.value)
+    assert "rope_scaling={'type': 'yarn'" in message and "n_group=8, topk_group=4" in message, message
+    assert "model.preset: deepseek-v3" in message
+    transformers5 = {k: v for k, v in RELEASED_V3.items() if k not in ("rope_scaling", "n_group")}
+    transformers5["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000, "factor": 40}
+    with pytest.raises(UserError, match=r"rope_scaling=.*'rope_type': 'yarn'"):
+        deepseek_hf.model_fields(transformers5)
+    plain = {**transformers5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000}}
+    assert deepseek_hf.model_fields(plain) == deepseek_hf.architecture(plain)

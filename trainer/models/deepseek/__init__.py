@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trainer.models import HFMapping, ModelFamily, register
+from trainer.models.deepseek.hf_config import MODEL_TYPES
 from trainer.models.deepseek.params import count_params
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             bias_update_rate=0.001,
         ),
     ),
-    CUSTOM: {},  # every dimension from the spec (or from an HF config.json: hf.model_fields)
+    CUSTOM: {},  # every dimension from the spec (or from an HF config.json: hf_config.model_fields)
 }
 
 
@@ -189,6 +190,6 @@ DEEPSEEK = register(
         parallelize=parallelize_model,
         hf=load_hf,
         check_layout=check_layout,
-        hf_model_types=("deepseek_v3", "deepseek_v2"),  # hf.py's MODEL_TYPES (it imports torch)
+        hf_model_types=MODEL_TYPES,
     )
 )

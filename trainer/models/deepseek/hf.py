@@ -11,22 +11,27 @@ without it: the same routing).
 
 Refused, because the HF model would compute something else: MoE every n-th layer (transformers' rule
 is ``layer % moe_layer_freq == 0``, tessera's the last of every n), a model without MoE, a bias with
-softmax scores (V2 has no place for it), and on import group-limited routing (n_group, topk_group)
-and RoPE scaling (YaRN), which tessera does not model. ``model_fields`` reads only dimensions, so a
-released config.json (with YaRN and groups) still gives the architecture to train from scratch.
+softmax scores (V2 has no place for it), and on import or ``model.from_hf`` group-limited routing
+(n_group, topk_group) and RoPE scaling (YaRN), which tessera does not model (``hf_config.py`` reads
+config.json files, without torch: spec validation runs it; this module imports torch on use).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import ModelConfig
 from trainer.failures import UserError
+from trainer.models.deepseek.hf_config import (  # noqa: F401 (model_fields: this mapping's, for from_hf)
+    architecture,
+    model_fields,
+    unmodelled,
+)
 
-MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
 TOP_LEVEL = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -85,6 +90,8 @@ def expert_names(cfg: ModelConfig) -> dict[str, list[str]]:
 def to_hf(state: dict[str, Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Tensor]:
     """tessera's model state dict as HF tensors. A model trained without the routing bias exports
     V3's as zeros (the same routing); the bias stays fp32, as DeepSeek ships it."""
+    import torch
+
     out = {}
     for fqn, hf in hf_names(cfg).items():
         tensor = state.get(fqn)
@@ -100,6 +107,8 @@ def to_hf(state: dict[str, Tensor], cfg: ModelConfig, dtype: torch.dtype) -> dic
 
 def from_hf(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """HF tensors as tessera's model state dict (a V3 routing bias only where balance is bias)."""
+    import torch
+
     biased = cfg.moe.balance == "bias"
     out = {
         fqn: state[hf].contiguous()
@@ -182,70 +191,6 @@ def hf_config(cfg: ModelConfig, max_seq_len: int, torch_dtype: str) -> dict[str,
     }
 
 
-def _rope_theta(config: dict[str, Any]) -> float:
-    """rope_theta at the top level (transformers 4) or inside rope_parameters (transformers 5)."""
-    parameters = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta", parameters.get("rope_theta", 10000.0)))
-
-
-def model_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``model`` spec fields of an HF DeepSeek-V2/V3 ``config.json`` (preset deepseek-custom).
-
-    Dimensions and routing as the file gives them; what tessera does not model (YaRN rope_scaling,
-    group-limited routing, multi-token prediction) is not read. Missing routing keys take
-    transformers' defaults for the model type.
-    """
-    kind = config.get("model_type")
-    if kind not in MODEL_TYPES:
-        raise UserError(
-            f"config.json has model_type {kind!r}; the DeepSeek family reads {', '.join(MODEL_TYPES)}"
-        )
-    v3 = kind == "deepseek_v3"
-    if config.get("moe_layer_freq", 1) != 1:
-        raise UserError(
-            f"config.json has moe_layer_freq={config['moe_layer_freq']}; tessera's DeepSeek takes MoE in every "
-            "layer after first_k_dense_replace (moe_layer_freq 1)"
-        )
-    try:
-        return {
-            "preset": "deepseek-custom",
-            "n_layers": config["num_hidden_layers"],
-            "dim": config["hidden_size"],
-            "n_heads": config["num_attention_heads"],
-            "n_kv_heads": config["num_attention_heads"],  # MLA rebuilds keys and values for every head
-            "ffn_dim": config["intermediate_size"],
-            "vocab_size": config["vocab_size"],
-            "rope_theta": _rope_theta(config),
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-            "mla": {
-                "q_lora_rank": config.get("q_lora_rank"),
-                "kv_lora_rank": config["kv_lora_rank"],
-                "qk_nope_head_dim": config["qk_nope_head_dim"],
-                "qk_rope_head_dim": config["qk_rope_head_dim"],
-                "v_head_dim": config["v_head_dim"],
-            },
-            "moe": {
-                "n_experts": config["n_routed_experts"],
-                "top_k": config["num_experts_per_tok"],
-                "shared_experts": config.get("n_shared_experts") or 0,
-                "expert_ffn_dim": config["moe_intermediate_size"],
-                "first_dense_layers": config.get("first_k_dense_replace", 0),
-                "score": config.get("scoring_func", "sigmoid" if v3 else "softmax"),
-                "normalize_weights": bool(config.get("norm_topk_prob", v3)),
-                "routed_scale": float(config.get("routed_scaling_factor", 1.0)),
-                "balance": "bias"
-                if config.get("topk_method", "noaux_tc" if v3 else "greedy") == "noaux_tc"
-                else "aux_loss",
-                "aux_loss_coef": float(config.get("aux_loss_alpha", 0.001)),
-            },
-        }
-    except KeyError as missing:
-        raise UserError(
-            f"config.json of a {kind} model lacks {missing}; it is not a complete DeepSeek config"
-        ) from None
-
-
 def check_hf_config(config: dict[str, Any], cfg: ModelConfig) -> None:
     """Refuse an HF model whose architecture differs from the spec's, naming each field."""
     if config.get("model_type") != model_type(cfg):
@@ -253,7 +198,7 @@ def check_hf_config(config: dict[str, Any], cfg: ModelConfig) -> None:
             f"config.json has model_type {config.get('model_type')!r} but the spec's model is "
             f"{model_type(cfg)} (model.moe.score={cfg.moe.score}); set the spec's score to match"
         )
-    theirs = model_fields(config)
+    theirs = architecture(config)
     ours = cfg.model_dump()
     wrong = [
         f"model.{name}={ours[name]} but config.json gives {value}"
@@ -266,13 +211,6 @@ def check_hf_config(config: dict[str, Any], cfg: ModelConfig) -> None:
             for name, value in theirs[section].items()
             if name != "aux_loss_coef" and ours[section][name] != value  # a training knob, not the model
         ]
-    if config.get("rope_scaling"):
-        wrong.append(f"rope_scaling={config['rope_scaling']} but tessera's RoPE has no scaling")
-    groups = config.get("n_group") or 1
-    if groups > 1 and (config.get("topk_group") or groups) < groups:
-        wrong.append(
-            f"n_group={groups}, topk_group={config.get('topk_group')}: group-limited routing, which tessera's "
-            "router does not do (it picks the top-k of all experts)"
-        )
+    wrong += unmodelled(config)
     if wrong:
         raise UserError(f"the HF model is not the spec's model: {'; '.join(wrong)}; set these in the spec")
