@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,22 @@ from trainer.rank.fault_injection import FaultInjector
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class SaveTimes:
+    """Where the last committed save's time went, in seconds, phase after phase: copying the state to
+    host memory (async modes only), writing the files, the commit (its digests and ``tessera.json``)
+    and retention. Logged at each commit; the checkpoint benchmark reports them."""
+
+    staging_s: float
+    write_s: float
+    commit_s: float
+    retain_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.staging_s + self.write_s + self.commit_s + self.retain_s
+
+
 class CheckpointManager:
     """One per training process; every method except ``latest`` is collective across ranks."""
 
@@ -81,7 +98,9 @@ class CheckpointManager:
         self._last_call: float | None = None
         self._step_s: float | None = None
         self._save_began = 0.0
+        self._staged_at: float | None = None
         self._save_s: float | None = None
+        self.last_save_times: SaveTimes | None = None
         with store.store_errors("create checkpoint directory", self.url):
             storage.filesystem(self.url)  # fail now, naming the URL, rather than at the first save
             if rank == 0:
@@ -195,6 +214,7 @@ class CheckpointManager:
         """Save ``state`` as step ``step``, unless that step is already committed (a retried attempt)."""
         self._wait()
         self._save_began = time.perf_counter()
+        self._staged_at = None
         step_url = storage.join(self.url, step_dir_name(step))
         existing = read_commit(step_url)
         if existing is not None and existing.good:
@@ -252,6 +272,7 @@ class CheckpointManager:
         self._guard_optimizers(state)
         if isinstance(response, AsyncSaveResponse):
             self._staging, self._upload = response.staging_completion, response.upload_completion
+            self._staging.add_done_callback(self._mark_staged)
         else:
             self._upload = response
         if self.rank == 0:
@@ -323,17 +344,29 @@ class CheckpointManager:
         if self._distributed:
             dist.barrier()
 
+    def _mark_staged(self, _: Future) -> None:
+        self._staged_at = time.perf_counter()
+
     def _commit_after(self, upload: Future, record: CommitRecord, step_url: str) -> None:
         upload.result()
         self._commit_and_retain(record, step_url)
 
     def _commit_and_retain(self, record: CommitRecord, step_url: str) -> None:
+        written = time.perf_counter()
         record.files = digest_files(step_url)
         check_launcher(self.url)  # orphaned ranks of a killed launch commit nothing, and delete nothing
         write_commit(step_url, record)
-        self._save_s = time.perf_counter() - self._save_began
+        committed = time.perf_counter()
+        self._save_s = committed - self._save_began
         log.info("committed checkpoint %s (%d files, %.1f s)", step_url, len(record.files), self._save_s)
         self._retain()
+        staged = self._staged_at or self._save_began
+        self.last_save_times = SaveTimes(
+            staging_s=staged - self._save_began,
+            write_s=written - staged,
+            commit_s=committed - written,
+            retain_s=time.perf_counter() - committed,
+        )
 
     def newest_step(self) -> int:
         """The newest good checkpoint's step as rank 0 lists it (0 if none), on every rank."""
