@@ -17,9 +17,11 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
+from torch.distributed.checkpoint.metadata import Metadata
 
 from trainer import storage
-from trainer.checkpoint.errors import CheckpointMismatch
+from trainer.checkpoint.digests import FileDigest, written_digests
+from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
 from trainer.checkpoint.store import WRITER_THREADS, store_errors
 
 COMMIT_FILE = "tessera.json"
@@ -27,12 +29,6 @@ FORMAT_VERSION = 1
 Status = Literal["committed", "validated", "corrupt"]
 GOOD_STATUSES: tuple[Status, ...] = ("committed", "validated")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-@dataclass
-class FileDigest:
-    sha256: str
-    size: int
 
 
 @dataclass
@@ -167,3 +163,27 @@ def digest_files(step_url: str) -> dict[str, FileDigest]:
             name: FileDigest(sha256=sha, size=entry.size)
             for (name, entry), sha in zip(files, hashes, strict=True)
         }
+
+
+def saved_files(step_url: str, metadata: Metadata | None) -> dict[str, FileDigest]:
+    """What to commit for the save that just wrote ``step_url``: every file's digest as the writer
+    computed it while writing (``metadata`` is what ``dcp.save`` returned), checked against one listing
+    of the directory, so that only files that are there, at the size written, are committed.
+
+    Without the writer's digests (a writer other than ``store.storage_writer``'s) the files are hashed
+    by reading them back."""
+    written = written_digests(metadata)
+    if written is None:
+        return digest_files(step_url)
+    stored = {name: entry.size for name, entry in checkpoint_files(step_url).items()}
+    sizes = {name: digest.size for name, digest in written.items()}
+    differ = sorted(
+        f"{name} ({stored.get(name, 'missing')} bytes, {sizes.get(name, 'none')} written)"
+        for name in stored.keys() | sizes.keys()
+        if stored.get(name) != sizes.get(name)
+    )
+    if differ:
+        raise CheckpointError(
+            f"not committing {step_url}: its files are not what was written: {', '.join(differ)}"
+        )
+    return dict(sorted(written.items()))

@@ -1,8 +1,9 @@
 """When to save, how (sync / async thread / async process), committing, resuming and retention.
 
-A save writes DCP shards into ``<url>/step-NNNNNN/``; once every rank's shards and DCP's ``.metadata``
-are written, rank 0 hashes the files and writes the ``tessera.json`` commit record (the commit), then
-applies retention. Async saves do all of that off the training thread; the next save (or ``close``)
+A save writes DCP shards into ``<url>/step-NNNNNN/``, hashing each file as it is written
+(:mod:`trainer.checkpoint.digests`); once every rank's shards and DCP's ``.metadata`` are written,
+rank 0 checks the files against one listing and writes the ``tessera.json`` commit record with their
+digests (the commit), then applies retention. Async saves do all of that off the training thread; the next save (or ``close``)
 waits for it, so at most one save is ever in flight and retention never races a write.
 
 Process-mode async saves spawn a checkpoint process that re-imports ``__main__``: the entry point
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -32,9 +34,9 @@ from trainer.checkpoint.commit import (
     CommitRecord,
     check_model,
     checkpoint_files,
-    digest_files,
     list_checkpoints,
     read_commit,
+    saved_files,
     step_dir_name,
     step_dirs,
     write_commit,
@@ -247,9 +249,9 @@ class CheckpointManager:
     ) -> None:
         """Sync mode: write, then commit on rank 0, before returning."""
         with store.dcp_errors("saving", step_url):
-            dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
+            metadata = dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
         if self.rank == 0:
-            self._commit_and_retain(record, step_url)
+            self._commit_and_retain(record, step_url, metadata)
 
     def _start_save(
         self, state: dict[str, Stateful], writer: StorageWriter, record: CommitRecord, step_url: str
@@ -348,12 +350,12 @@ class CheckpointManager:
         self._staged_at = time.perf_counter()
 
     def _commit_after(self, upload: Future, record: CommitRecord, step_url: str) -> None:
-        upload.result()
-        self._commit_and_retain(record, step_url)
+        self._commit_and_retain(record, step_url, upload.result())
 
-    def _commit_and_retain(self, record: CommitRecord, step_url: str) -> None:
+    def _commit_and_retain(self, record: CommitRecord, step_url: str, metadata: Metadata) -> None:
+        """Commit with the digests the writer computed as it wrote (``metadata``: what the save returned)."""
         written = time.perf_counter()
-        record.files = digest_files(step_url)
+        record.files = saved_files(step_url, metadata)
         check_launcher(self.url)  # orphaned ranks of a killed launch commit nothing, and delete nothing
         write_commit(step_url, record)
         committed = time.perf_counter()
