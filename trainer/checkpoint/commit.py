@@ -151,11 +151,13 @@ def checkpoint_files(step_url: str) -> dict[str, storage.Entry]:
 
 
 def digest_files(step_url: str) -> dict[str, FileDigest]:
-    """sha256 and size of every file in a checkpoint directory except the record.
+    """sha256 and size of every file in a checkpoint directory except the record, read back from the
+    store: what validation compares with the record (a save's own commit uses the digests its writer
+    computed while writing, :func:`saved_files`).
 
     One thread per file, as many as the writer used (``store.WRITER_THREADS`` files per rank): hashlib
-    lets go of the GIL while it hashes, so the commit reads the files at the disk's (or the page
-    cache's) speed rather than at one core's sha256 rate, which alone was most of a large save."""
+    lets go of the GIL while it hashes, so the files are read at the disk's (or the page cache's)
+    speed rather than at one core's sha256 rate."""
     files = sorted(checkpoint_files(step_url).items())
     with store_errors("hash the files of", step_url), ThreadPoolExecutor(WRITER_THREADS) as pool:
         hashes = pool.map(storage.sha256, [entry.url for _, entry in files])
