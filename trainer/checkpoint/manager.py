@@ -355,8 +355,8 @@ class CheckpointManager:
     def _commit_and_retain(self, record: CommitRecord, step_url: str, metadata: Metadata) -> None:
         """Commit with the digests the writer computed as it wrote (``metadata``: what the save returned)."""
         written = time.perf_counter()
-        record.files = saved_files(step_url, metadata)
         check_launcher(self.url)  # orphaned ranks of a killed launch commit nothing, and delete nothing
+        record.files = saved_files(step_url, metadata)
         write_commit(step_url, record)
         committed = time.perf_counter()
         self._save_s = committed - self._save_began
