@@ -3,8 +3,9 @@
 A save writes DCP shards into ``<url>/step-NNNNNN/``, hashing each file as it is written
 (:mod:`trainer.checkpoint.digests`); once every rank's shards and DCP's ``.metadata`` are written,
 rank 0 checks the files against one listing and writes the ``tessera.json`` commit record with their
-digests (the commit), then applies retention. Async saves do all of that off the training thread; the next save (or ``close``)
-waits for it, so at most one save is ever in flight and retention never races a write.
+digests (the commit), then applies retention. Async saves do all of that off the training thread;
+the next save (or ``close``) waits for it, so at most one save is ever in flight and retention never
+races a write.
 
 Process-mode async saves spawn a checkpoint process that re-imports ``__main__``: the entry point
 needs an ``if __name__ == "__main__":`` guard.
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 class SaveTimes:
     """Where the last committed save's time went, in seconds, phase after phase: copying the state to
     host memory (async modes only), writing the files, the commit (its digests and ``tessera.json``)
-    and retention. Logged at each commit; the checkpoint benchmark reports them."""
+    and retention. Each commit logs the first three; the checkpoint benchmark reports them all."""
 
     staging_s: float
     write_s: float
@@ -360,9 +361,17 @@ class CheckpointManager:
         write_commit(step_url, record)
         committed = time.perf_counter()
         self._save_s = committed - self._save_began
-        log.info("committed checkpoint %s (%d files, %.1f s)", step_url, len(record.files), self._save_s)
-        self._retain()
         staged = self._staged_at or self._save_began
+        log.info(
+            "committed checkpoint %s (%d files, %.1f s: staging %.1f s, write %.1f s, commit %.2f s)",
+            step_url,
+            len(record.files),
+            self._save_s,
+            staged - self._save_began,
+            written - staged,
+            committed - written,
+        )
+        self._retain()
         self.last_save_times = SaveTimes(
             staging_s=staged - self._save_began,
             write_s=written - staged,
