@@ -17,9 +17,11 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
+from torch.distributed.checkpoint.metadata import Metadata
 
 from trainer import storage
-from trainer.checkpoint.errors import CheckpointMismatch
+from trainer.checkpoint.digests import FileDigest, written_digests
+from trainer.checkpoint.errors import CheckpointError, CheckpointMismatch
 from trainer.checkpoint.store import WRITER_THREADS, store_errors
 
 COMMIT_FILE = "tessera.json"
@@ -27,12 +29,6 @@ FORMAT_VERSION = 1
 Status = Literal["committed", "validated", "corrupt"]
 GOOD_STATUSES: tuple[Status, ...] = ("committed", "validated")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-@dataclass
-class FileDigest:
-    sha256: str
-    size: int
 
 
 # The meta key of a checkpoint written by an import (trainer/checkpoint/hf.py): where its weights came from.
@@ -164,11 +160,13 @@ def checkpoint_files(step_url: str) -> dict[str, storage.Entry]:
 
 
 def digest_files(step_url: str) -> dict[str, FileDigest]:
-    """sha256 and size of every file in a checkpoint directory except the record.
+    """sha256 and size of every file in a checkpoint directory except the record, read back from the
+    store: what validation compares with the record (a save's own commit uses the digests its writer
+    computed while writing, :func:`saved_files`).
 
     One thread per file, as many as the writer used (``store.WRITER_THREADS`` files per rank): hashlib
-    lets go of the GIL while it hashes, so the commit reads the files at the disk's (or the page
-    cache's) speed rather than at one core's sha256 rate, which alone was most of a large save."""
+    lets go of the GIL while it hashes, so the files are read at the disk's (or the page cache's)
+    speed rather than at one core's sha256 rate."""
     files = sorted(checkpoint_files(step_url).items())
     with store_errors("hash the files of", step_url), ThreadPoolExecutor(WRITER_THREADS) as pool:
         hashes = pool.map(storage.sha256, [entry.url for _, entry in files])
@@ -176,3 +174,27 @@ def digest_files(step_url: str) -> dict[str, FileDigest]:
             name: FileDigest(sha256=sha, size=entry.size)
             for (name, entry), sha in zip(files, hashes, strict=True)
         }
+
+
+def saved_files(step_url: str, metadata: Metadata | None) -> dict[str, FileDigest]:
+    """What to commit for the save that just wrote ``step_url``: every file's digest as the writer
+    computed it while writing (``metadata`` is what ``dcp.save`` returned), checked against one listing
+    of the directory, so that only files that are there, at the size written, are committed.
+
+    Without the writer's digests (a writer other than ``store.storage_writer``'s) the files are hashed
+    by reading them back."""
+    written = written_digests(metadata)
+    if written is None:
+        return digest_files(step_url)
+    stored = {name: entry.size for name, entry in checkpoint_files(step_url).items()}
+    sizes = {name: digest.size for name, digest in written.items()}
+    differ = sorted(
+        f"{name} ({stored.get(name, 'missing')} bytes, {sizes.get(name, 'none')} written)"
+        for name in stored.keys() | sizes.keys()
+        if stored.get(name) != sizes.get(name)
+    )
+    if differ:
+        raise CheckpointError(
+            f"not committing {step_url}: its files are not what was written: {', '.join(differ)}"
+        )
+    return dict(sorted(written.items()))

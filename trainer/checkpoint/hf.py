@@ -31,9 +31,9 @@ from trainer.checkpoint import store
 from trainer.checkpoint.commit import (
     IMPORTED_FROM,
     CommitRecord,
-    digest_files,
     list_checkpoints,
     read_commit,
+    saved_files,
     step_dir_name,
     write_commit,
 )
@@ -147,7 +147,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
     # State the HF format has no place for (routing biases, balance: bias) starts at zero, as in a fresh model.
     unset = {fqn: torch.zeros(t.shape) for fqn, t in meta.items() if fqn not in weights}
     with store.dcp_errors("saving", step_url):
-        dcp.save(
+        metadata = dcp.save(
             {APP_KEY: {"model": weights | unset}},
             storage_writer=store.storage_writer(step_url),
             no_dist=True,
@@ -158,7 +158,7 @@ def import_hf(hf_dir: str | Path, job: JobConfig, checkpoint_url: str, step: int
         model_fingerprint=job.model_fingerprint(),
         world_size=1,
         layout=job.parallel.model_dump(),
-        files=digest_files(step_url),
+        files=saved_files(step_url, metadata),
         meta={IMPORTED_FROM: str(source)},
     )
     write_commit(step_url, record)

@@ -1,9 +1,11 @@
 """When to save, how (sync / async thread / async process), committing, resuming and retention.
 
-A save writes DCP shards into ``<url>/step-NNNNNN/``; once every rank's shards and DCP's ``.metadata``
-are written, rank 0 hashes the files and writes the ``tessera.json`` commit record (the commit), then
-applies retention. Async saves do all of that off the training thread; the next save (or ``close``)
-waits for it, so at most one save is ever in flight and retention never races a write.
+A save writes DCP shards into ``<url>/step-NNNNNN/``, hashing each file as it is written
+(:mod:`trainer.checkpoint.digests`); once every rank's shards and DCP's ``.metadata`` are written,
+rank 0 checks the files against one listing and writes the ``tessera.json`` commit record with their
+digests (the commit), then applies retention. Async saves do all of that off the training thread;
+the next save (or ``close``) waits for it, so at most one save is ever in flight and retention never
+races a write.
 
 Process-mode async saves spawn a checkpoint process that re-imports ``__main__``: the entry point
 needs an ``if __name__ == "__main__":`` guard.
@@ -14,11 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -32,9 +36,9 @@ from trainer.checkpoint.commit import (
     CommitRecord,
     check_model,
     checkpoint_files,
-    digest_files,
     list_checkpoints,
     read_commit,
+    saved_files,
     step_dir_name,
     step_dirs,
     write_commit,
@@ -48,6 +52,22 @@ from trainer.failures import is_infra_error
 from trainer.rank.fault_injection import FaultInjector
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveTimes:
+    """Where the last committed save's time went, in seconds, phase after phase: copying the state to
+    host memory (async modes only), writing the files, the commit (its digests and ``tessera.json``)
+    and retention. Each commit logs the first three; the checkpoint benchmark reports them all."""
+
+    staging_s: float
+    write_s: float
+    commit_s: float
+    retain_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.staging_s + self.write_s + self.commit_s + self.retain_s
 
 
 class CheckpointManager:
@@ -82,7 +102,9 @@ class CheckpointManager:
         self._last_call: float | None = None
         self._step_s: float | None = None
         self._save_began = 0.0
+        self._staged_at: float | None = None
         self._save_s: float | None = None
+        self.last_save_times: SaveTimes | None = None
         with store.store_errors("create checkpoint directory", self.url):
             storage.filesystem(self.url)  # fail now, naming the URL, rather than at the first save
             if rank == 0:
@@ -201,6 +223,7 @@ class CheckpointManager:
         """Save ``state`` as step ``step``, unless that step is already committed (a retried attempt)."""
         self._wait()
         self._save_began = time.perf_counter()
+        self._staged_at = None
         step_url = storage.join(self.url, step_dir_name(step))
         existing = read_commit(step_url)
         if existing is not None and existing.good:
@@ -233,9 +256,9 @@ class CheckpointManager:
     ) -> None:
         """Sync mode: write, then commit on rank 0, before returning."""
         with store.dcp_errors("saving", step_url):
-            dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
+            metadata = dcp.save(state, storage_writer=writer, no_dist=not self._distributed)
         if self.rank == 0:
-            self._commit_and_retain(record, step_url)
+            self._commit_and_retain(record, step_url, metadata)
 
     def _start_save(
         self, state: dict[str, Stateful], writer: StorageWriter, record: CommitRecord, step_url: str
@@ -258,6 +281,7 @@ class CheckpointManager:
         self._guard_optimizers(state)
         if isinstance(response, AsyncSaveResponse):
             self._staging, self._upload = response.staging_completion, response.upload_completion
+            self._staging.add_done_callback(self._mark_staged)
         else:
             self._upload = response
         if self.rank == 0:
@@ -329,17 +353,37 @@ class CheckpointManager:
         if self._distributed:
             dist.barrier()
 
-    def _commit_after(self, upload: Future, record: CommitRecord, step_url: str) -> None:
-        upload.result()
-        self._commit_and_retain(record, step_url)
+    def _mark_staged(self, _: Future) -> None:
+        self._staged_at = time.perf_counter()
 
-    def _commit_and_retain(self, record: CommitRecord, step_url: str) -> None:
-        record.files = digest_files(step_url)
+    def _commit_after(self, upload: Future, record: CommitRecord, step_url: str) -> None:
+        self._commit_and_retain(record, step_url, upload.result())
+
+    def _commit_and_retain(self, record: CommitRecord, step_url: str, metadata: Metadata) -> None:
+        """Commit with the digests the writer computed as it wrote (``metadata``: what the save returned)."""
+        written = time.perf_counter()
         check_launcher(self.url)  # orphaned ranks of a killed launch commit nothing, and delete nothing
+        record.files = saved_files(step_url, metadata)
         write_commit(step_url, record)
-        self._save_s = time.perf_counter() - self._save_began
-        log.info("committed checkpoint %s (%d files, %.1f s)", step_url, len(record.files), self._save_s)
+        committed = time.perf_counter()
+        self._save_s = committed - self._save_began
+        staged = self._staged_at or self._save_began
+        log.info(
+            "committed checkpoint %s (%d files, %.1f s: staging %.1f s, write %.1f s, commit %.2f s)",
+            step_url,
+            len(record.files),
+            self._save_s,
+            staged - self._save_began,
+            written - staged,
+            committed - written,
+        )
         self._retain()
+        self.last_save_times = SaveTimes(
+            staging_s=staged - self._save_began,
+            write_s=written - staged,
+            commit_s=committed - written,
+            retain_s=time.perf_counter() - committed,
+        )
 
     def newest_step(self) -> int:
         """The newest good checkpoint's step as rank 0 lists it (0 if none), on every rank."""

@@ -19,9 +19,11 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystemPlugin
+from torch.distributed.checkpoint.storage import StorageReader
 
 from trainer import storage
+from trainer.checkpoint.digests import DigestingWriter, HashingFileSystem
 from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.checkpoint.safe_load import SafeLoadPlanner, SafeMetadataReader
 from trainer.units import MiB
@@ -68,13 +70,30 @@ class _ObjectStoreFileSystem(FileSystem):
         self.fs.rm(os.fspath(path))
 
 
-class ObjectStoreWriter(FsspecWriter):
-    """FsspecWriter for object stores: copy-rename, and no fsync (closing an upload commits it; the
-    fallback of fsync on a non-file stream is a machine-wide ``os.sync()``)."""
+class _HashingLocalFileSystem(HashingFileSystem, LocalFileSystemPlugin):
+    """DCP's local filesystem, hashing every file it writes (:mod:`trainer.checkpoint.digests`)."""
+
+
+class _HashingObjectStoreFileSystem(HashingFileSystem, _ObjectStoreFileSystem):
+    """The object-store filesystem above, hashing every file it writes."""
+
+
+class LocalWriter(DigestingWriter, FileSystemWriter):
+    """FileSystemWriter, ``WRITER_THREADS`` files per rank, each file hashed as it is written."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, thread_count=WRITER_THREADS)
+        self.fs = _HashingLocalFileSystem()
+
+
+class ObjectStoreWriter(DigestingWriter, FsspecWriter):
+    """FsspecWriter for object stores: copy-rename, each file hashed as it is uploaded, and no fsync
+    (closing an upload commits it; the fallback of fsync on a non-file stream is a machine-wide
+    ``os.sync()``)."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, sync_files=False, thread_count=WRITER_THREADS, **storage.storage_options(path))
-        self.fs = _ObjectStoreFileSystem()
+        self.fs = _HashingObjectStoreFileSystem()
         self.path = self.fs.init_path(path, **storage.storage_options(path))
 
 
@@ -91,12 +110,11 @@ class ObjectStoreReader(SafeMetadataReader, FsspecReader):
         self.path = self.fs.init_path(path, **storage.storage_options(path))
 
 
-def storage_writer(url: str) -> StorageWriter:
-    """DCP's writer for ``url``: ``WRITER_THREADS`` files per rank, each written by its own thread."""
+def storage_writer(url: str) -> DigestingWriter:
+    """DCP's writer for ``url``: ``WRITER_THREADS`` files per rank, each written by its own thread and
+    hashed on the way (``dcp.save``'s result then carries every file's digest: ``written_digests``)."""
     path = _local_path(url)
-    if path is None:
-        return ObjectStoreWriter(url)
-    return FileSystemWriter(path, thread_count=WRITER_THREADS)
+    return ObjectStoreWriter(url) if path is None else LocalWriter(path)
 
 
 def storage_reader(url: str) -> StorageReader:
