@@ -55,6 +55,8 @@ from trainer.rundir import RunDir
 from trainer.runtime.agents import agent_workers, kill_agent, start_agent, worker_pid
 from trainer.runtime.launch import launch_env, torchrun_command
 
+pytestmark = pytest.mark.cold  # faults find ranks by parentage and signal process groups
+
 REPO = Path(__file__).resolve().parents[1]
 FINISH = REPO / "tests" / "dist" / "fault_finish.py"
 CURVE_KEYS = ("step", "loss", "lr", "grad_norm", "tokens")

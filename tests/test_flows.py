@@ -39,7 +39,7 @@ from trainer.checkpoint.commit import CommitRecord, list_checkpoints, step_dir_n
 from trainer.checkpoint.pins import pin, pinned_steps
 from trainer.metrics import read_metrics
 
-pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.dist]
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.dist, pytest.mark.cold]
 
 
 @pytest.fixture(autouse=True)
