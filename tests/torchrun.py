@@ -8,9 +8,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from trainer.runtime.fork_client import SOCKET_ENV
 from trainer.runtime.fork_server import SHARED_ENV
-from trainer.runtime.launch import through_fork_client
+from trainer.runtime.launch import forked_env, through_fork_client
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,8 +33,7 @@ def run_torchrun(
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if full_env.get(SHARED_ENV):
-        cmd = through_fork_client(cmd)
-        full_env[SOCKET_ENV] = full_env[SHARED_ENV]
+        cmd, full_env = through_fork_client(cmd), forked_env(full_env)
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, (
         f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"

@@ -209,8 +209,7 @@ def run_agents(
     store = _host_rendezvous_store(commands) if elastic else None
     server = None
     if env.get(SHARED_ENV):
-        commands = [through_fork_client(command) for command in commands]
-        env = {**env, SOCKET_ENV: env[SHARED_ENV]}
+        commands, env = [through_fork_client(command) for command in commands], forked_env(env)
     elif any(FORK_CLIENT in command for command in commands):
         server = ForkServer(run_dir.path, _as_torchrun_sets_it(env, commands[0]))
         env = {**env, **server.env}
@@ -236,14 +235,23 @@ def _as_torchrun_sets_it(env: dict[str, str], command: list[str]) -> dict[str, s
 
 
 def through_fork_client(command: list[str]) -> list[str]:
-    """``command`` (a torchrun agent's argv, possibly after ``env NAME=VALUE``) with its workers' entry
-    run through :mod:`trainer.runtime.fork_client`; unchanged when it already is."""
-    at = command.index("torch.distributed.run") + 1
-    while command[at].startswith("--"):  # the launcher's own flags, each --name=value
-        at += 1
+    """``command`` (a torchrun agent's argv, possibly after ``env NAME=VALUE``, or ``python ARGS``) with
+    its workers' entry run through :mod:`trainer.runtime.fork_client`; unchanged when it already is."""
+    if "torch.distributed.run" in command:
+        at = command.index("torch.distributed.run") + 1
+        while command[at].startswith("--"):  # the launcher's own flags, each --name=value
+            at += 1
+    else:
+        at = 1  # after the interpreter
     if command[at : at + 2] == ["-m", FORK_CLIENT]:
         return command
     return [*command[:at], "-m", FORK_CLIENT, *command[at:]]
+
+
+def forked_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for commands made by :func:`through_fork_client` with the host's shared fork server
+    (``$TESSERA_FORK_SERVER``, which ``env`` names) as their clients' server."""
+    return {**env, SOCKET_ENV: env[SHARED_ENV]}
 
 
 def _wait(
