@@ -223,6 +223,7 @@ def test_a_worker_whose_import_time_environment_differs_starts_cold(
     ]
 
 
+@pytest.mark.slow  # two torchrun agents
 def test_a_shared_server_serves_every_launch_and_outlives_it(
     server: ForkServer, script: Path, tmp_path: Path
 ) -> None:
