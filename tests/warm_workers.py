@@ -22,7 +22,7 @@ import pytest
 
 from trainer.runtime.fork_server import SHARED_ENV, ForkServer
 
-LAUNCHING = ("dist", "e2e", "smoke", "slow", "browser")  # markers of tests that may start ranks
+LAUNCHING = ("dist", "e2e", "fault", "smoke", "slow", "browser")  # markers of tests that may start ranks
 _server: ForkServer | None = None
 
 
