@@ -340,7 +340,6 @@ def trainer_processes(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.fault
-@pytest.mark.cold  # every rank it stops must be one tessera started, not the session fork server's child
 def test_cancelling_a_flow_run_stops_every_trainer_process_within_seconds(
     client: SyncPrefectClient, deployed: tuple[dict[str, str], Path], tmp_path: Path
 ) -> None:
