@@ -42,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -388,6 +389,9 @@ def _run(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = argv[1:]
         sys.path[0] = os.getcwd()
+        # The preloaded module runs again as __main__, which runpy warns of on every rank's stderr; a
+        # cold worker prints no such line, so neither does this one.
+        warnings.filterwarnings("ignore", f"'{argv[1]}' found in sys.modules", RuntimeWarning)
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
