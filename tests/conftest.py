@@ -1,5 +1,5 @@
-"""Shared pytest setup: object-store servers (tests/stores.py), Prefect servers (tests/prefect_server.py)
-and the fake Kubernetes API server (tests/k8s_fake.py)."""
+"""Shared pytest setup: object-store servers (tests/stores.py), Prefect servers (tests/prefect_server.py),
+the session's fork server (tests/warm_workers.py) and the fake Kubernetes API server (tests/k8s_fake.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.k8s_fake import FakeCluster, fake_cluster
 
-pytest_plugins = ["tests.stores", "tests.prefect_server"]
+pytest_plugins = ["tests.stores", "tests.prefect_server", "tests.warm_workers"]
 
 
 @pytest.fixture

@@ -39,7 +39,9 @@ import fsspec
 import pytest
 
 BUCKET = "tessera-test"
-STARTUP_TIMEOUT_S = 30.0
+# Seconds for an emulator (moto, the GCS emulator) to listen: ~2 s on an idle machine, but each imports
+# its whole package, and on a shared 2-core box at a load of 10-20 that is many times slower.
+STARTUP_TIMEOUT_S = 120.0
 
 
 def free_port() -> int:

@@ -35,6 +35,8 @@ from trainer.rundir import RunDir
 from trainer.runtime.agents import agent_workers, kill_agent, start_agent, stop_agent
 from trainer.runtime.launch import LaunchResult, launch_env, run_agents, torchrun_command
 
+pytestmark = pytest.mark.cold  # lost nodes are agents stopped or killed with their ranks
+
 WAIT_S = 120.0
 SPEC: dict[str, Any] = {
     "name": "elastic-test",

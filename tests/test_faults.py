@@ -53,7 +53,8 @@ from trainer.job import resolve_job
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.rundir import RunDir
 from trainer.runtime.agents import agent_workers, kill_agent, start_agent, worker_pid
-from trainer.runtime.launch import launch_env, torchrun_command
+from trainer.runtime.fork_server import SHARED_ENV
+from trainer.runtime.launch import forked_env, launch_env, through_fork_client, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 FINISH = REPO / "tests" / "dist" / "fault_finish.py"
@@ -136,16 +137,14 @@ def launch(job: JobConfig, run_dir: Path, env: dict[str, str], entry: list[str] 
     run_dir.mkdir(parents=True, exist_ok=True)
     job_json.write_text(resolve_job(job, RunDir(run_dir)).model_dump_json(indent=2))
     endpoint = f"127.0.0.1:{free_port()}"
-    return [
-        Agent(
-            start_agent(
-                torchrun_command(job_json, run_dir, 1, 2, node, endpoint, 0, run_id=job.name, entry=entry),
-                env,
-                RunDir(run_dir),
-            )
-        )
+    commands = [
+        torchrun_command(job_json, run_dir, 1, 2, node, endpoint, 0, run_id=job.name, entry=entry)
         for node in range(2)
     ]
+    if env.get(SHARED_ENV):  # the session's fork server (tests/warm_workers.py), as run_agents would use it:
+        # the faults still reach the ranks themselves (worker_pid, kill_agent)
+        commands, env = [through_fork_client(command) for command in commands], forked_env(env)
+    return [Agent(start_agent(command, env, RunDir(run_dir))) for command in commands]
 
 
 def wait_for_line(agents: list[Agent], text: str, timeout_s: float = WAIT_S) -> float:

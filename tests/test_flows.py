@@ -38,6 +38,7 @@ from tests.sockets import ListenerSampler
 from trainer.checkpoint.commit import CommitRecord, list_checkpoints, step_dir_name, write_commit
 from trainer.checkpoint.pins import pin, pinned_steps
 from trainer.metrics import read_metrics
+from trainer.runtime.agents import worker_pid
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.dist]
 
@@ -56,7 +57,8 @@ def _argv(pid: str) -> list[bytes]:
 
 
 def training_workers(run_dir: Path) -> list[int]:
-    """pids of the ranks training in ``run_dir``: children of a torchrun agent (not data-loader workers)."""
+    """pids of torchrun's workers in ``run_dir``: children of a torchrun agent (not data-loader workers);
+    each is the rank, or its fork client (``worker_pid`` finds the rank)."""
     pids = []
     for proc in Path("/proc").glob("[0-9]*"):
         argv = _argv(proc.name)
@@ -91,7 +93,9 @@ class Killer(threading.Thread):
             records = read_metrics(run_dir.metrics)
             workers = training_workers(run_dir.path)
             if records and records[-1]["step"] >= self.step and workers:
-                os.kill(workers[-1], signal.SIGKILL)
+                os.kill(
+                    worker_pid(workers[-1]), signal.SIGKILL
+                )  # the rank, even when forked by a fork server
                 self.killed_at = time.time()
                 return
             time.sleep(0.05)
@@ -127,6 +131,7 @@ def test_every_artifact_key_of_the_longest_run_id_is_one_prefect_accepts() -> No
 
 
 @pytest.mark.fault
+@pytest.mark.cold  # the loopback check samples this process's tree: ranks must be in it
 def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
     tmp_path: Path, runs_dir: Path
 ) -> None:

@@ -20,8 +20,10 @@ import pytest
 from trainer.rundir import RunDir
 from trainer.runtime.agents import worker_pid
 from trainer.runtime.fork_client import SOCKET_ENV
-from trainer.runtime.fork_server import ForkServer, socket_path
-from trainer.runtime.launch import run_agents, torchrun_command
+from trainer.runtime.fork_server import SHARED_ENV, ForkServer, env_differences, socket_path
+from trainer.runtime.launch import run_agents, through_fork_client, torchrun_command
+
+pytestmark = pytest.mark.cold  # the fork server under test is the per-run one
 
 WAIT_S = 30.0
 # One script for every case: argv[1] says what the worker does once it reports its pid.
@@ -193,3 +195,48 @@ def _cmdline(proc: Path) -> list[bytes]:
         return (proc / "cmdline").read_bytes().split(b"\0")
     except OSError:
         return []
+
+
+def test_a_worker_whose_import_time_environment_differs_starts_cold(
+    server: ForkServer, script: Path, tmp_path: Path
+) -> None:
+    """A fork keeps what torch read at import (its OpenMP thread count, say): a worker that asks for
+    another value gets a cold start, and one line that says why, rather than the server's."""
+    env = {**os.environ, SOCKET_ENV: str(server.path), "OMP_NUM_THREADS": "3"}
+    proc = subprocess.run(
+        [sys.executable, "-u", "-m", "trainer.runtime.fork_client", str(script), "exit", "4"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert proc.returncode == 4
+    assert "refused: OMP_NUM_THREADS differ" in proc.stderr and "starting the worker directly" in proc.stderr
+    assert (
+        env_differences({"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "a"}, {"OMP_NUM_THREADS": "1"}) == []
+    )
+    assert env_differences({}, {"TORCHINDUCTOR_CACHE_DIR": "/x", "TORCH_LOGS": "+dynamo"}) == [
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TORCH_LOGS",
+    ]
+
+
+@pytest.mark.slow  # two torchrun agents
+def test_a_shared_server_serves_every_launch_and_outlives_it(
+    server: ForkServer, script: Path, tmp_path: Path
+) -> None:
+    """With ``$TESSERA_FORK_SERVER`` the launcher forks each worker from that server (no server of its
+    own, no socket in the run directory) and leaves it running for the next launch."""
+    lines: list[str] = []
+    env = {**os.environ, SHARED_ENV: str(server.path)}
+    for run in ("a", "b"):
+        command = torchrun_command(Path(), Path(), 1, entry=[str(script), "exit", "0"])
+        result = run_agents([command], env, RunDir(tmp_path / run), echo=lines.append)
+        assert result.returncode == 0, result.log_tail
+        assert not socket_path(tmp_path / run).exists()
+    workers = [line.split() for line in lines if line.startswith("worker")]
+    assert len(workers) == 2 and not any("directly" in line for line in lines), lines
+    assert server.proc.poll() is None  # still serving
+    assert through_fork_client(command) == through_fork_client(through_fork_client(command))

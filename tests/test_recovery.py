@@ -45,6 +45,8 @@ from trainer.runtime.agents import agent_workers, start_agent, worker_pid
 from trainer.runtime.fork_server import ForkServer
 from trainer.runtime.launch import launch_env, torchrun_command
 
+pytestmark = pytest.mark.cold  # warm restarts use the per-run fork server; ranks found by parentage
+
 WAIT_S = 240.0
 MEMORY_INTERVAL = 1
 # The fault tests' two-"node" job, with snapshots to host memory every step and restarts allowed.

@@ -30,7 +30,9 @@ BASE: dict[str, Any] = {
     "parallel": {"dp_shard": 2},
     "cluster": {"chips_per_node": 2},
 }
-VALIDATE_BOUND_S = 2.0  # issue 29: every check is bounded in time, whatever the numbers are
+# Issue 29: every check is bounded in time, whatever the numbers are. Timed in this process's CPU
+# seconds, not wall time: a busy box (other processes on both cores) stretches wall time, not this.
+VALIDATE_BOUND_S = 2.0
 SECTIONS = [name for name, info in TrainingSpec.model_fields.items() if info.annotation is not str]
 
 # Magnitudes at and past every bound a spec has (counts < 2³¹, seeds < 2⁶³, floats to the largest double).
@@ -93,16 +95,16 @@ def mutated_specs(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
 
 
 def accept_or_name_the_field(spec: dict[str, Any], section: str) -> None:
-    start = time.perf_counter()
+    start = time.process_time()
     try:
         parsed = parse_spec(spec, "ui")
     except SpecError as error:
-        assert time.perf_counter() - start < VALIDATE_BOUND_S, spec
+        assert time.process_time() - start < VALIDATE_BOUND_S, spec
         assert str(error).startswith("ui is invalid:\n")
         # The field's path, or the section whose cross-field check failed (e.g. the layout).
         assert section in str(error) or "\nspec: " in str(error), str(error)
         return
-    assert time.perf_counter() - start < VALIDATE_BOUND_S, spec
+    assert time.process_time() - start < VALIDATE_BOUND_S, spec
     # The job it becomes is one the trainer accepts when it reads job.json.
     job = JobConfig.model_validate_json(parsed.job_config(data_url=None).model_dump_json())
     # A spec that validates but does not fit the cluster is a clear user error, before any launch.
@@ -156,10 +158,10 @@ def test_a_key_given_twice_anywhere_is_refused_naming_it(case: tuple[str, str]) 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", encoding="utf-8") as file:
         file.write(text)
         file.flush()
-        start = time.perf_counter()
+        start = time.process_time()
         with pytest.raises(SpecError) as refused:
             load_spec(file.name)
-    assert time.perf_counter() - start < VALIDATE_BOUND_S
+    assert time.process_time() - start < VALIDATE_BOUND_S
     assert f"key {key!r} appears twice" in str(refused.value), str(refused.value)
 
 
@@ -214,10 +216,10 @@ def test_a_spec_the_cli_accepts_the_server_accepts_too(case: tuple[dict[str, Any
 
 def timed_validate(spec: dict[str, Any]) -> float:
     """Seconds ``parse_spec`` took to accept or refuse ``spec`` (a refusal is a SpecError, never another)."""
-    start = time.perf_counter()
+    start = time.process_time()
     with contextlib.suppress(SpecError):
         parse_spec(spec, "ui")
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 @pytest.mark.parametrize(

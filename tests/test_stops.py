@@ -33,6 +33,8 @@ from trainer.checkpoint import list_checkpoints
 from trainer.metrics import read_metrics
 from trainer.runtime.agents import is_stopped
 
+pytestmark = pytest.mark.cold  # stops are about the launcher's own process tree and signals
+
 REPO = Path(__file__).resolve().parents[1]
 WAIT_S = 120.0
 SPEC: dict[str, Any] = {

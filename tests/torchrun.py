@@ -8,6 +8,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from trainer.runtime.fork_server import SHARED_ENV
+from trainer.runtime.launch import forked_env, through_fork_client
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +20,8 @@ def run_torchrun(
     """Run ``torchrun --standalone --nproc-per-node=N TARGET...`` from the repo root; assert it succeeded.
 
     ``target`` is what follows the launcher's own flags: ``["-m", "tests.dist.x", ARG]`` or a script path.
-    Ranks get one intra-op thread each, since several share the 2 cores of a CI box.
+    Ranks get one intra-op thread each, since several share the 2 cores of a CI box. With the session's
+    fork server (``tests/warm_workers.py``) they are forked from it, as ``run_agents`` forks a run's ranks.
     """
     cmd = [
         sys.executable,
@@ -28,6 +32,8 @@ def run_torchrun(
         *target,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if full_env.get(SHARED_ENV):
+        cmd, full_env = through_fork_client(cmd), forked_env(full_env)
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, (
         f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"

@@ -40,7 +40,8 @@ from trainer.checkpoint.commit import CommitRecord, check_model, digest_files, r
 from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.config import JobConfig
 from trainer.rank.local_tensor import local_tensor
-from trainer.runtime.launch import torchrun_command
+from trainer.runtime.fork_server import SHARED_ENV
+from trainer.runtime.launch import forked_env, through_fork_client, torchrun_command
 from trainer.units import MiB
 
 LOAD_TIMEOUT_S = 1800.0
@@ -131,8 +132,11 @@ def _load_problem(step_url: str, world_size: int, budget_bytes: int) -> str:
         if world_size == 1
         else torchrun_command(Path(), Path(), world_size, entry=module)
     )
+    env = dict(os.environ)
+    if env.get(SHARED_ENV):  # the host's fork server: the loaders skip importing torch
+        command, env = through_fork_client(command), forked_env(env)
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
         raise CheckpointError(f"validation loader for {step_url} ran over {LOAD_TIMEOUT_S:.0f} s") from None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -73,13 +73,16 @@ def _send_request(conn: socket.socket, argv: list[str]) -> None:
     body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     message = struct.pack("!I", len(body)) + body
     sent = socket.send_fds(conn, [message], [0, 1, 2])
-    conn.sendall(message[sent:])
+    if sent < len(message):  # an empty send to a server that already refused and closed fails (EPIPE)
+        conn.sendall(message[sent:])
 
 
 def _answer(answers: BinaryIO, word: str) -> int:
     """The number in the server's next line, which must be ``WORD N``."""
     line = answers.readline().decode()
     name, _, number = line.partition(" ")
+    if name == "refused:":  # the server's environment would not give the worker a cold start's
+        raise ValueError(line.strip())
     if name != word:
         raise ValueError(f"expected {word!r}, got {line.strip()!r}" if line else "connection closed")
     return int(number)

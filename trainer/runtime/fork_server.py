@@ -7,6 +7,12 @@ every worker of the group after any failure, so with ``faults.warm_restart`` eac
 
     python -m trainer.runtime.fork_server --socket PATH [--preload trainer.train]   # the launcher starts it
 
+One server may also serve every local launch of a host (``TESSERA_FORK_SERVER``, see
+:func:`trainer.runtime.launch.run_agents`): a user or a test session starts it once, and each rank of
+each run is forked from it instead of importing torch again. A fork keeps what the server's imports
+read from the environment, so the server refuses (and the client starts the worker cold) a request
+whose value differs for any variable in :data:`IMPORT_TIME_ENV`.
+
 The server imports the modules and runs no torch op: torch's thread pools do not exist yet when it
 forks (OpenBLAS's, started by numpy's import, shuts down and restarts around a fork by itself).
 A forked worker takes its client's stdio, environment, working directory and argv, leads a session
@@ -36,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -44,6 +51,26 @@ from trainer.runtime.agents import terminate_with_parent
 from trainer.runtime.fork_client import SOCKET_ENV
 
 PRELOAD = ("trainer.train",)  # everything a worker imports comes with it
+SHARED_ENV = "TESSERA_FORK_SERVER"  # a host-wide server's socket: every local launch forks from it
+# What torch, its OpenMP runtime and the other preloaded packages read from the environment once, at
+# import or load: a worker forked from a server that saw other values would not be the worker a cold
+# start makes (its thread count, its logging, its compile caches). Names, and prefixes ending in "_".
+IMPORT_TIME_ENV = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "PYTHONHASHSEED",
+    "TORCH_LOGS",
+    "TORCH_TRACE",
+    "TORCH_COMPILE_",
+    "TORCHDYNAMO_",
+    "TORCHINDUCTOR_",
+    "TORCH_DEVICE_BACKEND_AUTOLOAD",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+    "FSSPEC_CONFIG_DIR",
+    "WDS_",
+    "SYMPY_",
+)
 STOP_WAIT_S = 10.0  # the workers are gone when the launcher stops the server: it only has to exit
 REQUEST_TIMEOUT_S = 5.0
 LISTEN_WAIT_S = 10.0  # else the workers start cold (the client falls back)
@@ -125,6 +152,7 @@ class _Server:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.pid = os.getpid()
+        self.env = dict(os.environ)  # what the preloaded modules read as they were imported
         self.stopping = False
         self.workers: dict[int, _Worker] = {}
         with contextlib.suppress(FileNotFoundError):
@@ -176,6 +204,14 @@ class _Server:
             request = _receive(conn)
         except (OSError, ValueError) as exc:
             print(f"tessera fork server: dropped a request: {exc}", file=sys.stderr, flush=True)
+            conn.close()
+            return None
+        differs = env_differences(self.env, request.env)
+        if differs:  # the client reads this line as no answer and starts the worker cold, saying why
+            for fd in request.fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.sendall(f"refused: {', '.join(differs)} differ from the fork server's\n".encode())
             conn.close()
             return None
         sys.stdout.flush()
@@ -249,6 +285,16 @@ class _Server:
         for worker in self.workers.values():
             if worker.conn is not None:
                 worker.conn.close()
+
+
+def env_differences(server: dict[str, str], worker: dict[str, str]) -> list[str]:
+    """The variables of :data:`IMPORT_TIME_ENV` whose value (or absence) differs between the two."""
+    names = {
+        name
+        for name in server.keys() | worker.keys()
+        if name in IMPORT_TIME_ENV or any(p.endswith("_") and name.startswith(p) for p in IMPORT_TIME_ENV)
+    }
+    return sorted(name for name in names if server.get(name) != worker.get(name))
 
 
 def _receive(conn: socket.socket) -> Request:
@@ -343,6 +389,9 @@ def _run(argv: list[str]) -> None:
     if argv[0] == "-m":
         sys.argv = argv[1:]
         sys.path[0] = os.getcwd()
+        # The preloaded module runs again as __main__, which runpy warns of on every rank's stderr; a
+        # cold worker prints no such line, so neither does this one.
+        warnings.filterwarnings("ignore", f"'{argv[1]}' found in sys.modules", RuntimeWarning)
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)

@@ -26,7 +26,8 @@ from trainer.config import JobConfig
 from trainer.failures import FailureKind, UserError, classify_exit, worker_exit_code
 from trainer.rundir import RunDir
 from trainer.runtime.agents import is_stopped, kill_agent, start_agent, stop_agent
-from trainer.runtime.fork_server import ForkServer
+from trainer.runtime.fork_client import SOCKET_ENV
+from trainer.runtime.fork_server import SHARED_ENV, ForkServer
 
 LOG_TAIL_LINES = 200  # enough to hold torchrun's root-cause block and the ranks' last words
 POLL_S = 1.0
@@ -200,12 +201,18 @@ def run_agents(
     one (started by whoever restores the capacity) finds it.
 
     Commands whose workers run through :mod:`trainer.runtime.fork_client` (``faults.warm_restart``) get
-    this host's fork server, started first and stopped after the agents.
+    this host's fork server, started first and stopped after the agents. With ``$TESSERA_FORK_SERVER``
+    (the socket of a fork server started for the whole host, e.g. by a test session) every worker is
+    forked from that one instead: no rank imports torch again.
     """
     agents: list[_Agent] = []
     store = _host_rendezvous_store(commands) if elastic else None
-    server = ForkServer(run_dir.path, env) if any(FORK_CLIENT in command for command in commands) else None
-    env = {**env, **server.env} if server is not None else env
+    server = None
+    if env.get(SHARED_ENV):
+        commands, env = [through_fork_client(command) for command in commands], forked_env(env)
+    elif any(FORK_CLIENT in command for command in commands):
+        server = ForkServer(run_dir.path, _as_torchrun_sets_it(env, commands[0]))
+        env = {**env, **server.env}
     try:
         for node, command in enumerate(commands):
             agents.append(_Agent.start(command, env, run_dir, echo if node == 0 or elastic else None))
@@ -217,6 +224,34 @@ def run_agents(
             server.stop()
         del store
     return LaunchResult(0, 0, "ok", "") if failed is None else failed.result()
+
+
+def _as_torchrun_sets_it(env: dict[str, str], command: list[str]) -> dict[str, str]:
+    """``env`` with the OMP_NUM_THREADS=1 torchrun gives its workers where ``env`` has none and it starts
+    more than one per node: the fork server must import torch with what the workers will have, else it
+    refuses them (see ``IMPORT_TIME_ENV`` in :mod:`trainer.runtime.fork_server`)."""
+    nproc = next((arg.split("=", 1)[1] for arg in command if arg.startswith("--nproc-per-node=")), "1")
+    return {"OMP_NUM_THREADS": "1", **env} if nproc.isdigit() and int(nproc) > 1 else env
+
+
+def through_fork_client(command: list[str]) -> list[str]:
+    """``command`` (a torchrun agent's argv, possibly after ``env NAME=VALUE``, or ``python ARGS``) with
+    its workers' entry run through :mod:`trainer.runtime.fork_client`; unchanged when it already is."""
+    if "torch.distributed.run" in command:
+        at = command.index("torch.distributed.run") + 1
+        while command[at].startswith("--"):  # the launcher's own flags, each --name=value
+            at += 1
+    else:
+        at = 1  # after the interpreter
+    if command[at : at + 2] == ["-m", FORK_CLIENT]:
+        return command
+    return [*command[:at], "-m", FORK_CLIENT, *command[at:]]
+
+
+def forked_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for commands made by :func:`through_fork_client` with the host's shared fork server
+    (``$TESSERA_FORK_SERVER``, which ``env`` names) as their clients' server."""
+    return {**env, SOCKET_ENV: env[SHARED_ENV]}
 
 
 def _wait(
