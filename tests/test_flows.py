@@ -75,11 +75,18 @@ def training_workers(run_dir: Path) -> list[int]:
 
 class Killer(threading.Thread):
     """SIGKILLs one training worker once the run of ``name`` has logged ``step`` (after a committed
-    checkpoint); ``killed_at`` is the wall-clock time of the kill, for the reliability report."""
+    checkpoint); ``killed_at`` is the wall-clock time of the kill, for the reliability report.
 
-    def __init__(self, runs_dir: Path, name: str, step: int) -> None:
+    The ranks hold before ``step + 1`` until the kill is done (the fault injector's hold, set in the
+    test's environment), so the kill lands at ``step`` however fast the steps run: on a quiet box a
+    poll-then-kill race lost to a run that had already committed its next checkpoint."""
+
+    def __init__(self, runs_dir: Path, name: str, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
         super().__init__(daemon=True)
         self.runs_dir, self.name, self.step = runs_dir, name, step
+        self.released = runs_dir.parent / f"{name}-killed"  # beside the runs, not one of them
+        monkeypatch.setenv("TESSERA_FAULT_HOLD_AT_STEP", str(step + 1))
+        monkeypatch.setenv("TESSERA_FAULT_HOLD_UNTIL", str(self.released))
         self.killed_at: float | None = None
         self.start()
 
@@ -97,6 +104,7 @@ class Killer(threading.Thread):
                     worker_pid(workers[-1]), signal.SIGKILL
                 )  # the rank, even when forked by a fork server
                 self.killed_at = time.time()
+                self.released.touch()  # the retried attempt holds at no step
                 return
             time.sleep(0.05)
 
@@ -133,12 +141,12 @@ def test_every_artifact_key_of_the_longest_run_id_is_one_prefect_accepts() -> No
 @pytest.mark.fault
 @pytest.mark.cold  # the loopback check samples this process's tree: ranks must be in it
 def test_killed_worker_is_retried_and_the_run_completes_with_all_artifacts(
-    tmp_path: Path, runs_dir: Path
+    tmp_path: Path, runs_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = tiny_spec(
         tmp_path, "flow-fault", steps=12, interval=4, faults={"max_restarts": 0, "node_failure_retries": 1}
     )  # no in-job restart: the task retries
-    killer = Killer(runs_dir, spec.name, step=5)
+    killer = Killer(runs_dir, spec.name, step=5, monkeypatch=monkeypatch)
     with ListenerSampler(os.getpid()) as sampler:
         state = train_pipeline(spec, return_state=True)
     killer.join(timeout=1)
@@ -254,7 +262,7 @@ def flow_run_count(flow_run_id: UUID) -> int:
 
 @pytest.mark.fault
 def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checked(
-    tmp_path: Path, runs_dir: Path
+    tmp_path: Path, runs_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The resume rules of deployments/run.py, each through a real flow run on the Prefect server, and
     the artifact histories they give: one per run."""
@@ -262,7 +270,7 @@ def test_run_identity_retry_resumes_new_runs_train_resume_is_explicit_and_checke
     spec = tiny_spec(
         tmp_path, "ident", steps=4, interval=2, faults={"max_restarts": 0, "node_failure_retries": 0}
     )
-    killer = Killer(runs_dir, spec.name, step=3)
+    killer = Killer(runs_dir, spec.name, step=3, monkeypatch=monkeypatch)
     first = train_pipeline.with_options(retries=1)(spec, return_state=True)
     killer.join(timeout=1)
     assert first.is_completed(), first.message
