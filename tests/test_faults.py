@@ -53,8 +53,7 @@ from trainer.job import resolve_job
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.rundir import RunDir
 from trainer.runtime.agents import agent_workers, kill_agent, start_agent, worker_pid
-from trainer.runtime.fork_server import SHARED_ENV
-from trainer.runtime.launch import forked_env, launch_env, through_fork_client, torchrun_command
+from trainer.runtime.launch import launch_env, through_shared_fork_server, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
 FINISH = REPO / "tests" / "dist" / "fault_finish.py"
@@ -141,9 +140,9 @@ def launch(job: JobConfig, run_dir: Path, env: dict[str, str], entry: list[str] 
         torchrun_command(job_json, run_dir, 1, 2, node, endpoint, 0, run_id=job.name, entry=entry)
         for node in range(2)
     ]
-    if env.get(SHARED_ENV):  # the session's fork server (tests/warm_workers.py), as run_agents would use it:
-        # the faults still reach the ranks themselves (worker_pid, kill_agent)
-        commands, env = [through_fork_client(command) for command in commands], forked_env(env)
+    # The session's fork server (tests/warm_workers.py), if any, as run_agents would use it: the faults
+    # still reach the ranks themselves (worker_pid, kill_agent).
+    commands, env = through_shared_fork_server(commands, env)
     return [Agent(start_agent(command, env, RunDir(run_dir))) for command in commands]
 
 

@@ -8,8 +8,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from trainer.runtime.fork_server import SHARED_ENV
-from trainer.runtime.launch import forked_env, through_fork_client
+from trainer.runtime.launch import through_shared_fork_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,8 +31,7 @@ def run_torchrun(
         *target,
     ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if full_env.get(SHARED_ENV):
-        cmd, full_env = through_fork_client(cmd), forked_env(full_env)
+    (cmd,), full_env = through_shared_fork_server([cmd], full_env)  # the session's, if any
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, (
         f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"

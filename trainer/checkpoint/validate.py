@@ -40,8 +40,7 @@ from trainer.checkpoint.commit import CommitRecord, check_model, digest_files, r
 from trainer.checkpoint.errors import CheckpointError, CheckpointStoreError
 from trainer.config import JobConfig
 from trainer.rank.local_tensor import local_tensor
-from trainer.runtime.fork_server import SHARED_ENV
-from trainer.runtime.launch import forked_env, through_fork_client, torchrun_command
+from trainer.runtime.launch import through_shared_fork_server, torchrun_command
 from trainer.units import MiB
 
 LOAD_TIMEOUT_S = 1800.0
@@ -132,9 +131,8 @@ def _load_problem(step_url: str, world_size: int, budget_bytes: int) -> str:
         if world_size == 1
         else torchrun_command(Path(), Path(), world_size, entry=module)
     )
-    env = dict(os.environ)
-    if env.get(SHARED_ENV):  # the host's fork server: the loaders skip importing torch
-        command, env = through_fork_client(command), forked_env(env)
+    # With the host's fork server, the loaders skip importing torch.
+    (command,), env = through_shared_fork_server([command], dict(os.environ))
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:

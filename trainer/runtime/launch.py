@@ -209,7 +209,7 @@ def run_agents(
     store = _host_rendezvous_store(commands) if elastic else None
     server = None
     if env.get(SHARED_ENV):
-        commands, env = [through_fork_client(command) for command in commands], forked_env(env)
+        commands, env = through_shared_fork_server(commands, env)
     elif any(FORK_CLIENT in command for command in commands):
         server = ForkServer(run_dir.path, _as_torchrun_sets_it(env, commands[0]))
         env = {**env, **server.env}
@@ -248,10 +248,15 @@ def through_fork_client(command: list[str]) -> list[str]:
     return [*command[:at], "-m", FORK_CLIENT, *command[at:]]
 
 
-def forked_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` for commands made by :func:`through_fork_client` with the host's shared fork server
-    (``$TESSERA_FORK_SERVER``, which ``env`` names) as their clients' server."""
-    return {**env, SOCKET_ENV: env[SHARED_ENV]}
+def through_shared_fork_server(
+    commands: list[list[str]], env: dict[str, str]
+) -> tuple[list[list[str]], dict[str, str]]:
+    """``commands`` and ``env`` as they run with the host's shared fork server (``$TESSERA_FORK_SERVER``
+    in ``env``): each worker's entry through the fork client, whose server is that one. Unchanged where
+    ``env`` names none."""
+    if not env.get(SHARED_ENV):
+        return commands, env
+    return [through_fork_client(command) for command in commands], {**env, SOCKET_ENV: env[SHARED_ENV]}
 
 
 def _wait(
