@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SPEC ?= deployments/specs/local-cpu.yaml
 PYTEST_ARGS ?=
+# Test files run on two pytest-xdist workers, each file whole on one (its module fixtures once): about
+# half the suite waits on processes and servers, and the other worker fills the cores meanwhile.
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 
 # uv itself, pinned, bootstrapped with pip into its own folder so that `uv sync` (which makes .venv
 # hold exactly the lock) never removes the tool that is running it.
@@ -63,7 +67,7 @@ demo: $(STAMP)
 test: lock-check $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; exit $$rc
 
 # A tier of the same suite for quick iteration (aimed at <= 3 min on a quiet 2-core box): no torchrun, servers,

@@ -56,7 +56,7 @@ def _validate_run_name() -> str:
     return "validate-" + task_run.parameters["step_url"].rstrip("/").rsplit("/", 1)[-1]
 
 
-@task(name="validate-checkpoint", task_run_name=_validate_run_name, tags=["checkpoint"])
+@task(name="validate-checkpoint", task_run_name=_validate_run_name)
 def validate_checkpoint_task(step_url: str, job: JobConfig) -> ValidationResult:
     """Prove the checkpoint loads on another world size; marks its manifest validated or corrupt."""
     result = validate_checkpoint(step_url, job)
@@ -65,7 +65,7 @@ def validate_checkpoint_task(step_url: str, job: JobConfig) -> ValidationResult:
     return result
 
 
-@task(name="evaluate", tags=["eval"])
+@task(name="evaluate")
 def evaluate_task(validation: ValidationResult, run: Run, pin_url: str) -> dict[str, Any] | None:
     """Held-out loss, perplexity and a greedy sample of a validated checkpoint; None for a corrupt one.
 

@@ -33,7 +33,7 @@ WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 
 # The library's per-part steps as tasks. Not cached by Prefect: a part caches itself (part.json).
 _PART_TASKS = {
-    fn: task(fn, name=name, cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, tags=["data"])
+    fn: task(fn, name=name, cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
     for fn, name in ((prepare_part, "prepare-part"), (document_digests, "document-digests"))
 }
 
@@ -69,7 +69,7 @@ def mapped_on(runner: TaskRunner) -> Mapper:
 # so a re-run finds the dataset after listing the corpus and returns at once. A Prefect cache, keyed on
 # the inputs and kept in PREFECT_HOME, would outlive the files it points to (`make clean`, a second
 # checkout, whose relative ``output_url`` is another directory) and hand training a missing dataset.
-@task(name="prepare-dataset", cache_policy=NO_CACHE, tags=["data"])
+@task(name="prepare-dataset", cache_policy=NO_CACHE)
 def prepare_dataset_task(data: DataConfig, vocab_size: int, seq_len: int, seed: int) -> str:
     """Tokenize, pack into ``seq_len + 1`` samples and write webdataset shards (per source of a mixture),
     or find them already there; return the URL training reads."""

@@ -17,7 +17,7 @@ from trainer.report.plan_chart import plot_memory_breakdown
 from trainer.units import GiB
 
 
-@task(name="plan", tags=["plan"])
+@task(name="plan")
 def plan_task(run: Run) -> Plan:
     """Plan the run; publish it as a table and a memory chart (also ``memory.png`` in the run dir).
 

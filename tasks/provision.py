@@ -51,7 +51,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@task(name="provision", tags=["provision"])
+@task(name="provision")
 def provision_task(run: Run) -> LaunchTarget:
     """A rendezvous port for local agents, or the validated Kubernetes manifests of the run."""
     cluster = run.spec.cluster
@@ -64,7 +64,7 @@ def provision_task(run: Run) -> LaunchTarget:
     return LaunchTarget("kubernetes", run, manifests=manifests)
 
 
-@task(name="teardown", tags=["provision"])
+@task(name="teardown")
 def teardown_task(target: LaunchTarget) -> None:
     """Delete the Kubernetes objects, or stop local agents a cancelled or crashed train task left running."""
     # First, so that a train task whose agents are stopped here ends instead of retrying them.

@@ -60,7 +60,7 @@ def report_markdown(
     return "\n".join(lines)
 
 
-@task(name="report", tags=["report"])
+@task(name="report")
 def report_task(run: Run, final_url: str, evals: list[dict[str, Any]], missed: list[str]) -> str:
     """The report artifact (and ``report.md``), the plan artifact with measured figures, and a comparison
     with the spec's previous run when there is one."""

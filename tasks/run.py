@@ -9,7 +9,7 @@ from deployments.run import Run
 from deployments.spec import TrainingSpec
 
 
-@task(name="open-run", tags=["run"])
+@task(name="open-run")
 def open_run_task(spec: TrainingSpec, data_url: str) -> Run:
     """A new run named after this flow run, or the one ``spec.resume_from`` continues.
 

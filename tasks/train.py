@@ -161,7 +161,7 @@ def run_local(target: LaunchTarget, progress: Progress) -> tuple[int, str]:
     return result.returncode, result.log_tail
 
 
-@task(name="train", tags=["train"])
+@task(name="train")
 def train_task(target: LaunchTarget) -> str | State[str]:
     """Train the run to ``train.steps``; return the URL of the final committed checkpoint.
 

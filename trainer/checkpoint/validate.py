@@ -131,8 +131,11 @@ def _load_problem(step_url: str, world_size: int, budget_bytes: int) -> str:
         if world_size == 1
         else torchrun_command(Path(), Path(), world_size, entry=module)
     )
-    # With the host's fork server, the loaders skip importing torch.
-    (command,), env = through_shared_fork_server([command], dict(os.environ))
+    # One intra-op thread, as torchrun gives each of several workers: the loader only reads and checks
+    # tensors, and with it the host's fork server (whose ranks have the same) forks the loaders warm
+    # instead of refusing them for another OMP_NUM_THREADS (a cold loader: ~5 s of imports).
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    (command,), env = through_shared_fork_server([command], env)
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=LOAD_TIMEOUT_S, env=env)
     except subprocess.TimeoutExpired:
