@@ -83,9 +83,13 @@ def test_the_two_commands_come_first() -> None:
 
 
 def test_make_targets_dry_run() -> None:
-    targets = set(re.findall(r"^([a-z][\w-]*):", (REPO_ROOT / "Makefile").read_text(), flags=re.MULTILINE))
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):", makefile, flags=re.MULTILINE))
+    variables = set(re.findall(r"^([A-Z][A-Z_]*) \??:?=", makefile, flags=re.MULTILINE))
     for argv in by_program("make"):
-        assert set(argv[1:]) <= targets, f"docs: `{shlex.join(argv)}`: no such Makefile target"
+        settings = {arg.split("=", 1)[0] for arg in argv[1:] if "=" in arg}
+        assert settings <= variables, f"docs: `{shlex.join(argv)}`: no such Makefile variable"
+        assert {a for a in argv[1:] if "=" not in a} <= targets, f"docs: `{shlex.join(argv)}`: no such target"
         if shlex.join(argv) in NEEDS_CLUSTER_OR_ACCELERATOR:
             continue
         dry = subprocess.run(["make", "-n", *argv[1:]], cwd=REPO_ROOT, capture_output=True, text=True)
