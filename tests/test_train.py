@@ -343,6 +343,9 @@ def test_tessera_train_refuses_a_process_count_that_is_not_the_world_size(tmp_pa
         ("worker_exit_4.log", 4, "node_failure"),
         ("worker_sigkill.log", -9, "node_failure"),
         ("gloo_recv_timeout.log", 1, "node_failure"),
+        # The watchdog test under load: rank 3 hung (exit 4); torchrun named rank 2, whose connection
+        # to rank 3 closed (exit 5), as the root cause.
+        ("hang_root_cause_is_a_peer_echo.log", 4, "node_failure"),
     ],
 )
 def test_classify_real_torchrun_failures(log: str, worker_code: int, kind: str) -> None:

@@ -18,8 +18,8 @@ torchrun restarts the workers after any failure (``--max-restarts``), user error
 fails with one leaves ``user_error.json`` in the run directory, and a restarted rank that finds it
 exits at once with the same message instead of failing the same way again (:func:`restarted_after_user_error`).
 
-torchrun always exits 1 when a worker fails; the worker's own exit code is in the "Root Cause"
-block it prints (``exitcode  : -9 (pid: 123)  (SIGKILL)``), so classification reads the log tail.
+torchrun always exits 1 when a worker fails; the workers' own exit codes are in the report it prints
+(``exitcode  : -9 (pid: 123)  (SIGKILL)``, the "Root Cause" first), so classification reads the log tail.
 """
 
 from __future__ import annotations
@@ -134,13 +134,32 @@ def _root_cause(log_tail: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
+def _other_failures(log_tail: str) -> str:
+    """The "Failures:" block of torchrun's last report: the failed workers besides the root cause."""
+    at = log_tail.rfind("Root Cause (first observed failure):")
+    start = log_tail.rfind("Failures:\n", 0, at) if at >= 0 else -1
+    block = log_tail[start:at] if start >= 0 else ""
+    return "" if "Root Cause" in block else block  # that report's own block was cut off the tail
+
+
 def worker_exit_code(returncode: int, log_tail: str) -> int:
-    """The exit code of the first failed worker when torchrun reports one, else ``returncode``."""
+    """The exit code of the failed worker that torchrun's report names as the root cause, else
+    ``returncode``; but not an :data:`EXIT_INFRA` echo when another worker failed otherwise.
+
+    A rank whose peer failed (a hang its watchdog ended, a user error, a kill) sees its connections
+    close and exits :data:`EXIT_INFRA`, often within the same second; torchrun's "first observed"
+    compares whole-second times and then takes the lower rank, so it may name the echo. The report's
+    other failures then hold the cause.
+    """
     if returncode == 0:
         return 0
     cause = _root_cause(log_tail)
     code = _EXIT_CODE.search(cause) if cause else None
-    return int(code.group(1)) if code else returncode
+    if not code:
+        return returncode
+    first = int(code.group(1))
+    others = [int(other) for other in _EXIT_CODE.findall(_other_failures(log_tail))]
+    return next((other for other in others if other != EXIT_INFRA), first) if first == EXIT_INFRA else first
 
 
 def killed_by_signal(code: int) -> bool:
