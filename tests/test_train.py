@@ -29,7 +29,7 @@ from tests.pipeline_specs import MICRO_MODEL
 from tests.torchrun import run_torchrun
 from trainer.checkpoint import list_checkpoints
 from trainer.config import JobConfig, OptimizerConfig
-from trainer.failures import EXIT_HANG, classify_exit, worker_exit_code
+from trainer.failures import EXIT_HANG, EXIT_INFRA, classify_exit, worker_exit_code
 from trainer.metrics import MetricsWriter, read_metrics
 from trainer.rank.optim import build_optimizer, build_scheduler, lr_factor
 from trainer.report.goodput import account_run
@@ -83,6 +83,20 @@ def tessera_train(spec: dict[str, Any], run_dir: Path, faults: dict[str, str]) -
         timeout=TIMEOUT_S,
     )
     return done.returncode, done.stdout + done.stderr
+
+
+def lost_a_rank_to_sigkill(output: str) -> bool:
+    """Whether a rank of the launch's failed attempt killed itself with SIGKILL, by torchrun's log.
+
+    torchrun logs one failure per failed attempt: the earliest by whole-second timestamp, then the
+    lowest rank. When the killed rank's peer sees its connection close and exits ``EXIT_INFRA`` before
+    torchrun's next poll, that line names the peer's echo, not the ``-9`` (a quiet two-worker run of
+    the suite met it once); ``trainer.failures.worker_exit_code`` reads past the echo the same way.
+    """
+    if "injected fault: SIGKILL rank" not in output:
+        return False
+    echo = f"failed (exitcode: {EXIT_INFRA})" in output and "infrastructure failure, retryable" in output
+    return "failed (exitcode: -9)" in output or echo
 
 
 def steps_redone(output: str, completed: int) -> int:
@@ -215,7 +229,7 @@ def test_crash_restart_resume_matches_uninterrupted_curve(
         {"TESSERA_FAULT_CRASH_AT_STEP": "6"},
     )
     assert returncode == 0, output[-4000:]
-    assert "exitcode: -9" in output  # the first attempt really lost a rank to SIGKILL
+    assert lost_a_rank_to_sigkill(output)  # the first attempt really lost a rank
     assert "resumed from step 4" in output
     assert curve(run_dir) == curve(base / "a")  # bitwise, across the crash
     assert json.loads((run_dir / "status.json").read_text())["resumed_from"] == 4
@@ -257,7 +271,7 @@ def test_death_in_an_async_save_then_a_nan_that_torchrun_does_not_restart(
         {"TESSERA_FAULT_KILL_IN_SAVE_AT_STEP": "4", "TESSERA_FAULT_NAN_AT_STEP": "6"},
     )
     assert returncode == 3, output[-4000:]  # the user error's code, not a crash
-    assert "exitcode: -9" in output  # attempt 0 really lost a rank mid-save
+    assert lost_a_rank_to_sigkill(output)  # attempt 0 really lost a rank mid-save
     assert "resumed from step 2" in output and "resumed from step 4" not in output
     assert "loss is nan at step 6" in output
     assert "attempt 1 failed with a user error, not retrying it: loss is nan at step 6" in output
@@ -297,7 +311,7 @@ def test_context_parallel_run_resumes_across_kill_9(
         {"TESSERA_FAULT_CRASH_AT_STEP": "6"},
     )
     assert returncode == 0, output[-4000:]
-    assert "exitcode: -9" in output and "resumed from step 4" in output
+    assert lost_a_rank_to_sigkill(output) and "resumed from step 4" in output
     resumed, reference = curve(run_dir), curve(base / "a")
     assert [(r["step"], r["lr"], r["tokens"]) for r in resumed] == [
         (r["step"], r["lr"], r["tokens"]) for r in reference
