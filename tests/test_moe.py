@@ -257,7 +257,7 @@ def test_spec_rejects_impossible_moe_layouts_naming_field_and_fix(
 
 @pytest.mark.dist
 @pytest.mark.fault
-@pytest.mark.cold  # asserts torchrun saw its own worker die by SIGKILL: a forked rank's peer may be seen failing first
+@pytest.mark.cold  # the killed rank is torchrun's own child; forked, a peer's echo is logged first more often
 def test_expert_parallel_run_killed_with_kill_9_resumes_on_the_uninterrupted_curve(tmp_path: Path) -> None:
     """ep=2 over 2 ranks: the last rank SIGKILLs itself at step 6, torchrun restarts both, they resume
     from step 4's checkpoint (experts sharded over ep, routing biases saved with the weights) and train

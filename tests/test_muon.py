@@ -104,7 +104,7 @@ def test_spec_refuses_layouts_muon_does_not_take(change: dict, field: str) -> No
 
 @pytest.mark.dist
 @pytest.mark.fault
-@pytest.mark.cold  # asserts torchrun saw its own worker die by SIGKILL: a forked rank's peer may be seen failing first
+@pytest.mark.cold  # the killed rank is torchrun's own child; forked, a peer's echo is logged first more often
 def test_fsdp_muon_run_learns_and_resumes_bitwise_after_kill_9(tmp_path: Path) -> None:
     """dp_shard=2, so every matrix is gathered for Newton-Schulz and its momentum is a DCP-saved shard."""
     spec = spec_with(optimizer={"name": "muon"}, checkpoint={"mode": "sync"}, faults={"max_restarts": 1})

@@ -51,6 +51,7 @@ CHROMIUM_ARGS = [
 ]
 DOCS = REPO_ROOT / "docs"
 RUN_TIMEOUT_S = 300
+SUBMIT_TRIES = 3  # a 503 from the test server's SQLite is met by pressing Submit again (below)
 VIEWPORT = {"width": 1400, "height": 1000}
 FIRST_SCREEN = {"width": 1280, "height": 800}  # a laptop's browser window
 ESSENTIALS = ("Name", "Preset", "Steps", "Global Batch Size", "Nodes", "Chips Per Node", "Work Pool")
@@ -277,7 +278,7 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
         # Under load the test server's SQLite may answer the UI's create call with a 503, which the UI
         # does not retry (Prefect's Python client does; seen once beside two busy loops): a person would
         # press Submit again, and so does the test. A 503 created nothing.
-        for attempt in range(3):
+        for attempt in range(SUBMIT_TRIES):
             page.get_by_role("button", name="Submit").click()
             try:
                 page.wait_for_url(
@@ -286,7 +287,7 @@ def test_run_form_submits_a_run_that_completes_with_artifacts_and_its_graph(
                 break
             except playwright.TimeoutError:
                 busy = any("create_flow_run -> 503" in call for call in page.failed_requests)
-                if attempt == 2 or not busy:
+                if attempt == SUBMIT_TRIES - 1 or not busy:
                     pytest.fail(
                         "the form did not submit; the UI's failed calls:\n" + "\n".join(page.failed_requests)
                     )

@@ -105,9 +105,7 @@ def launch_env(job: JobConfig, base: dict[str, str] | None = None) -> dict[str, 
 @dataclass(frozen=True)
 class LaunchResult:
     returncode: int  # torchrun's own code (1 whenever a worker failed)
-    worker_exit_code: (
-        int  # the failed worker's code that says what happened (trainer.failures.worker_exit_code)
-    )
+    worker_exit_code: int  # the failed worker's code that says what happened (trainer.failures)
     kind: FailureKind
     log_tail: str
 
